@@ -1,0 +1,432 @@
+"""`PipelinedModel`: the Keras face of the pipeline.
+
+`fit`, `evaluate` and `predict` work as for any Keras model; each step scatters
+the batch into M micro-batches, runs the schedule on the stage devices (see
+`tfpipe.engine`), and — in training — applies one optimizer update with the
+gradients summed over micro-batches.
+
+Exactness. With Keras' default loss reduction (`sum_over_batch_size`) the
+step loss is `sum_m (b / N) * loss_m`, b rows per micro-batch and N real rows:
+exactly the full-batch loss, including for a padded partial last batch. With
+`reduction="sum"` it is `sum_m loss_m`. Weight regularisers and other
+`layer.losses` are counted once per step. Metrics are updated once per
+step on the gathered outputs of the real rows, so every metric (AUC and
+unweighted metrics included) sees exactly what full-batch training shows it.
+"""
+
+import math
+
+import keras
+import tensorflow as tf
+
+from tfpipe import _internal
+from tfpipe import engine
+from tfpipe import microbatch
+from tfpipe import partition
+from tfpipe import placement
+from tfpipe import recompute as recompute_lib
+from tfpipe import schedules
+from tfpipe import strategy as strategy_lib
+
+_SUPPORTED_REDUCTIONS = {"sum_over_batch_size": False, "mean": False, "sum": True}
+
+
+def _is_shape(value):
+    return isinstance(value, (tuple, list, tf.TensorShape)) and all(
+        d is None or isinstance(d, int) for d in value
+    )
+
+
+def _map_shapes(fn, shapes):
+    if _is_shape(shapes):
+        return fn(tuple(shapes))
+    if isinstance(shapes, dict):
+        return {k: _map_shapes(fn, v) for k, v in shapes.items()}
+    if isinstance(shapes, (list, tuple)):
+        return type(shapes)(_map_shapes(fn, v) for v in shapes)
+    raise ValueError(f"input_shape must be a shape tuple or a nest of them, got {shapes!r}.")
+
+
+def _keras_batch_size(batch_size, x):
+    """The batch size Keras will use for `x`: batch_size, or 32 for arrays."""
+    if batch_size is not None:
+        return batch_size
+    if x is None or isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
+        return None
+    if callable(getattr(x, "__next__", None)):
+        return None  # a generator: batches come ready-made
+    return 32
+
+
+def _dataset_batch_size(x):
+    if isinstance(x, tf.data.Dataset):
+        for spec in tf.nest.flatten(x.element_spec):
+            shape = getattr(spec, "shape", None)
+            if shape is not None and shape.rank:
+                return shape[0]
+    return None
+
+
+@keras.saving.register_keras_serializable(package="tfpipe")
+class PipelinedModel(keras.Model):
+    """A Keras model whose `stages` run as a GPipe pipeline, stage k on device k.
+
+    Args:
+      stages: list of K Keras layers or models; stage k takes the output of
+        stage k - 1. Pass them unbuilt: tfpipe builds each under its device.
+      num_microbatches: M; default the strategy's.
+      recompute: `"always"`, `"except_last"` or `"never"`; default the
+        strategy's.
+      input_shape: optional shape (batch dimension included, may be None) or
+        nest of shapes; builds the model (places all variables) right away.
+      input_dtype: dtype of the dummy batch used to build stages (default
+        float32).
+      **kwargs: passed to `keras.Model` (e.g. `name`).
+
+    Create it under `tfpipe.PipelineStrategy(...).scope()`; outside any scope
+    it makes a default `PipelineStrategy()` over all logical devices.
+
+    >>> strategy = tfpipe.PipelineStrategy(num_microbatches=4)   # doctest: +SKIP
+    >>> with strategy.scope():                                    # doctest: +SKIP
+    ...     model = tfpipe.PipelinedModel(
+    ...         [keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)],
+    ...         input_shape=(None, 64))
+    ...     model.compile(optimizer="adam", loss="mse")
+    >>> model.fit(x, y, batch_size=32)                            # doctest: +SKIP
+    """
+
+    def __init__(self, stages, num_microbatches=None, recompute=None,
+                 input_shape=None, input_dtype="float32", **kwargs):
+        strategy = strategy_lib.current_pipeline_strategy()
+        if strategy is None and tf.distribute.has_strategy():
+            raise ValueError(
+                f"PipelinedModel must be created under a tfpipe.PipelineStrategy "
+                f"scope, not {type(tf.distribute.get_strategy()).__name__}: other "
+                f"strategies override the per-stage device placement."
+            )
+        strategy = strategy or strategy_lib.PipelineStrategy()
+        super().__init__(**kwargs)
+        self._distribute_strategy = strategy
+        stages = self._validate_stages(stages, strategy)
+        self.stages = stages
+        self.stage_devices = tuple(strategy.devices[: len(stages)])
+        self._num_microbatches_arg = num_microbatches
+        self._recompute_arg = recompute
+        self.num_microbatches = strategy_lib.validate_num_microbatches(
+            strategy.num_microbatches if num_microbatches is None else num_microbatches
+        )
+        self.recompute = recompute_lib.validate(
+            strategy.recompute if recompute is None else recompute
+        )
+        self.schedule = strategy.schedule
+        self._input_dtype = keras.backend.standardize_dtype(input_dtype)
+        self._loss_is_sum = False
+        self.pipeline = engine.Pipeline(
+            self.stages, self.stage_devices, self.schedule, self.recompute
+        )
+        if input_shape is not None:
+            self.build(input_shape)
+
+    @staticmethod
+    def _validate_stages(stages, strategy):
+        if isinstance(stages, keras.layers.Layer) or not isinstance(stages, (list, tuple)):
+            raise ValueError(
+                f"stages must be a list of Keras layers (one per stage), got "
+                f"{type(stages).__name__}. To cut one model use PipelinedModel.from_model."
+            )
+        stages = list(stages)
+        if not stages:
+            raise ValueError("stages is empty; a pipeline needs at least one stage.")
+        for k, stage in enumerate(stages):
+            if stage is None or (isinstance(stage, (list, tuple)) and not stage):
+                raise ValueError(f"Stage {k} is empty; every stage needs at least one layer.")
+            if not isinstance(stage, keras.layers.Layer):
+                raise ValueError(
+                    f"Stage {k} must be a Keras layer or model, got {type(stage).__name__}."
+                )
+            if isinstance(stage, keras.Sequential) and not stage.layers:
+                raise ValueError(
+                    f"Stage {k} ({stage.name!r}) is an empty Sequential; every stage "
+                    f"needs at least one layer."
+                )
+        if len(stages) > strategy.num_stages:
+            raise ValueError(
+                f"{len(stages)} stages but the strategy has only {strategy.num_stages} "
+                f"devices ({list(strategy.devices)}); use at most {strategy.num_stages} "
+                f"stages, or more devices (e.g. tfpipe.testing.use_logical_cpus"
+                f"({len(stages)}) on CPU)."
+            )
+        return stages
+
+    # -- construction ----------------------------------------------------
+
+    @classmethod
+    def from_model(cls, model, balance=None, **kwargs):
+        """Cuts a Sequential (or functional chain) model into pipeline stages.
+
+        Args:
+          model: a `keras.Sequential`, or functional model whose layers form a
+            chain. Its layers are cloned, built on the stage devices, and given
+            the model's current weights; `model` itself is left unchanged.
+          balance: layer counts per stage, e.g. `[3, 2, 2, 1]`; None balances by
+            parameter count over all of the strategy's devices.
+          **kwargs: passed to `PipelinedModel`.
+        """
+        layers = partition.chain_layers(model)
+        strategy = strategy_lib.current_pipeline_strategy() or strategy_lib.PipelineStrategy()
+        if balance is None:
+            balance = partition.balance_by_params(layers, min(strategy.num_stages, len(layers)))
+        balance = partition.validate_balance(balance, len(layers), strategy.num_stages)
+        clones, stages, start = [], [], 0
+        for k, size in enumerate(balance):
+            group = [layer.__class__.from_config(layer.get_config()) for layer in layers[start:start + size]]
+            clones.extend(group)
+            stages.append(keras.Sequential(group, name=f"stage_{k}"))
+            start += size
+        if "input_shape" not in kwargs and model.inputs:
+            kwargs["input_shape"] = tuple(model.inputs[0].shape)
+            kwargs.setdefault("input_dtype", model.inputs[0].dtype)
+        kwargs.setdefault("name", f"pipelined_{model.name}")
+        with strategy.scope() if strategy_lib.current_pipeline_strategy() is None else _null():
+            pipelined = cls(stages, **kwargs)
+        if not pipelined.built:
+            raise ValueError(
+                f"from_model could not infer the input shape of {model.name!r}; "
+                f"pass input_shape=(None, ...)."
+            )
+        for old, new in zip(layers, clones):
+            new.set_weights(old.get_weights())
+        pipelined.balance = balance
+        return pipelined
+
+    def build(self, input_shape):
+        # Runs eagerly even when Keras builds symbolically inside a FuncGraph:
+        # variables created there would land on the default device.
+        with tf.init_scope(), self._scope():
+            h = _map_shapes(
+                lambda s: tf.zeros([1 if d is None else d for d in s[:1]] +
+                                   [1 if d is None else d for d in s[1:]],
+                                   dtype=self._input_dtype),
+                input_shape,
+            )
+            for k, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
+                if stage.built and stage.weights:
+                    bad = placement.misplaced_variables(stage.weights, device)
+                    if bad:
+                        raise ValueError(
+                            f"Stage {k} ({stage.name!r}) was built before PipelinedModel "
+                            f"could place it on {device}: {bad[:3]}. Pass unbuilt layers, "
+                            f"or use PipelinedModel.from_model(model), which copies weights."
+                        )
+                with tf.device(device):
+                    h = stage(h, training=False)
+                bad = placement.misplaced_variables(stage.weights, device)
+                if bad:
+                    raise RuntimeError(f"tfpipe placement bug: stage {k} variables {bad[:3]}.")
+        self._build_optimizer()
+
+    def _scope(self):
+        if tf.distribute.get_strategy() is self._distribute_strategy:
+            return _null()
+        return self._distribute_strategy.scope()
+
+    def _build_optimizer(self):
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is None or optimizer.built or not self.built:
+            return
+        # Eagerly, so that each slot is created next to its variable; Keras
+        # would otherwise build it inside the first traced step, on CPU:0.
+        with tf.init_scope(), self._scope():
+            optimizer.build(self.trainable_variables)
+
+    def call(self, inputs, training=None):
+        """Runs the stages one after another on the whole batch (no pipelining)."""
+        h = inputs
+        for stage, device in zip(self.stages, self.stage_devices):
+            with tf.device(device):
+                h = stage(h, training=training)
+        return h
+
+    # -- Keras API -------------------------------------------------------
+
+    def compile(self, *args, jit_compile="auto", **kwargs):
+        """As `keras.Model.compile`; XLA is never applied to the whole step.
+
+        A multi-device step must not be one XLA cluster (Keras' `"auto"` turns
+        XLA on for GPU machines), so `jit_compile` is forced to False.
+        """
+        if jit_compile is True:
+            raise ValueError(
+                "PipelinedModel.compile(jit_compile=True) would compile the whole "
+                "multi-device pipeline step as one XLA cluster on one device. Use "
+                "jit_compile=False (or leave the default)."
+            )
+        with self._scope():
+            super().compile(*args, jit_compile=False, **kwargs)
+        reductions = _internal.compiled_loss_reductions(self)
+        unsupported = [r for r in reductions if r not in _SUPPORTED_REDUCTIONS]
+        kinds = {_SUPPORTED_REDUCTIONS[r] for r in reductions if r in _SUPPORTED_REDUCTIONS}
+        if unsupported or len(kinds) > 1:
+            raise ValueError(
+                f"PipelinedModel adds per-micro-batch losses, which equals the "
+                f"full-batch loss only when every compiled loss uses "
+                f"reduction='sum_over_batch_size' (the Keras default) or every one "
+                f"uses reduction='sum'; got {reductions}. Use one of those reductions."
+            )
+        self._loss_is_sum = kinds == {True}
+        if self.optimizer is not None:
+            _internal.adopt_optimizer(self.optimizer, self._distribute_strategy)
+        self._build_optimizer()
+
+    def _check_batch(self, batch_size, x, what):
+        m = self.num_microbatches
+        for size in (_keras_batch_size(batch_size, x), _dataset_batch_size(x)):
+            if size is not None and size % m:
+                fix = m * math.ceil(size / m)
+                raise ValueError(
+                    f"{what}: batch size {size} is not divisible by "
+                    f"num_microbatches={m}. Use a batch size that is a multiple of "
+                    f"{m} (e.g. {fix}) or a num_microbatches that divides {size}. "
+                    f"(Only an epoch's smaller last batch may be ragged: tfpipe pads "
+                    f"it and gives the padding zero weight.)"
+                )
+
+    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        self._check_batch(batch_size, x, "fit")
+        validation_data = kwargs.get("validation_data")
+        if validation_data is not None:
+            vx = validation_data if isinstance(validation_data, tf.data.Dataset) else validation_data[0]
+            self._check_batch(kwargs.get("validation_batch_size") or batch_size, vx, "fit validation")
+        return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        self._check_batch(batch_size, x, "evaluate")
+        return super().evaluate(x, y, batch_size, *args, **kwargs)
+
+    def predict(self, x, batch_size=None, *args, **kwargs):
+        self._check_batch(batch_size, x, "predict")
+        return super().predict(x, batch_size, *args, **kwargs)
+
+    def compute_microbatch_loss(self, x, y, y_pred, sample_weight):
+        """Data loss of one micro-batch; override instead of `compute_loss`.
+
+        Default: the loss given to `compile`, with its own reduction. Stage
+        losses (`layer.losses`, e.g. regularisers) are added by the engine.
+        """
+        del x
+        if self._compile_loss is None:
+            return tf.zeros(())
+        return self._compile_loss(y, y_pred, sample_weight)
+
+    def _scatter(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        scatter = microbatch.Scatter(x, self.num_microbatches)
+        padded_weight = sample_weight
+        if scatter.needs_padding and sample_weight is None:
+            padded_weight = tf.ones([microbatch.batch_size(x)])
+        coefficient = (
+            tf.constant(1.0) if self._loss_is_sum
+            else scatter.padded_size / (self.num_microbatches * scatter.real_size)
+        )
+        return _Step(x, y, sample_weight, scatter, scatter.split(x), scatter.split(y),
+                     scatter.split(padded_weight), coefficient)
+
+    def _update_metrics(self, step, y_preds, loss):
+        # Once, on the gathered real rows: identical to a full-batch update for
+        # every metric (AUC and unweighted metrics included, which per-micro-
+        # batch updates with zero-weight padding would get wrong).
+        self._loss_tracker.update_state(loss, sample_weight=step.scatter.real_size)
+        with tf.device(self.stage_devices[-1]):
+            y_pred = step.scatter.merge(y_preds)
+        return self.compute_metrics(step.x, step.y, y_pred, sample_weight=step.sample_weight)
+
+    def train_step(self, data):
+        step = self._scatter(data)
+
+        def loss_fn(m, y_pred):
+            return self.compute_microbatch_loss(step.xs[m], step.ys[m], y_pred, step.sws[m])
+
+        scale = self.optimizer.scale_loss if self.optimizer is not None else None
+        y_preds, loss, grads = self.pipeline.train(step.xs, loss_fn, step.coefficient, scale)
+        pairs = [
+            (g, v)
+            for stage, stage_grads in zip(self.stages, grads)
+            for g, v in zip(stage_grads, stage.trainable_variables)
+        ]
+        if pairs:
+            self.optimizer.apply_gradients(pairs)
+        return self._update_metrics(step, y_preds, loss)
+
+    def test_step(self, data):
+        step = self._scatter(data)
+        y_preds, extras = self.pipeline.forward(step.xs, training=False)
+        terms = [e / self.num_microbatches for e in extras if e is not None]
+        with tf.device(self.stage_devices[-1]):
+            for m in range(self.num_microbatches):
+                data_loss = self.compute_microbatch_loss(step.xs[m], step.ys[m], y_preds[m],
+                                                         step.sws[m])
+                terms.append(step.coefficient * tf.cast(data_loss, tf.float32))
+        return self._update_metrics(step, y_preds, tf.add_n(terms))
+
+    def predict_step(self, data):
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        scatter = microbatch.Scatter(x, self.num_microbatches)
+        y_preds, _ = self.pipeline.forward(scatter.split(x), training=False)
+        return scatter.merge(y_preds)
+
+    # -- description and serialisation ----------------------------------
+
+    def pipeline_summary(self):
+        """A text table of stages: device, layer count, parameter count."""
+        k = len(self.stages)
+        lines = [
+            f"Pipeline: {k} stage(s) x {self.num_microbatches} micro-batch(es), "
+            f"schedule={self.schedule.name}, recompute={self.recompute}, "
+            f"bubble={schedules.bubble_fraction(self.num_microbatches, k):.1%}",
+            f"{'stage':<7}{'name':<24}{'device':<46}{'layers':>7}{'params':>12}",
+        ]
+        for i, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
+            n_layers = len(stage.layers) if hasattr(stage, "layers") else 1
+            params = stage.count_params() if stage.built else 0
+            lines.append(f"{i:<7}{stage.name:<24}{device:<46}{n_layers:>7}{params:>12,}")
+        return "\n".join(lines)
+
+    def summary(self, *args, print_fn=None, **kwargs):
+        """Keras' summary, then the stage table (`pipeline_summary`)."""
+        super().summary(*args, print_fn=print_fn, **kwargs)
+        (print_fn or print)(self.pipeline_summary())
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "stages": [keras.saving.serialize_keras_object(s) for s in self.stages],
+            "num_microbatches": self._num_microbatches_arg,
+            "recompute": self._recompute_arg,
+            "input_dtype": self._input_dtype,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        stages = [
+            keras.saving.deserialize_keras_object(s, custom_objects=custom_objects)
+            for s in config.pop("stages")
+        ]
+        return cls(stages=stages, **config)
+
+
+class _Step:
+    """One batch and its micro-batches: xs, ys, sws are lists of M."""
+
+    def __init__(self, x, y, sample_weight, scatter, xs, ys, sws, coefficient):
+        self.x, self.y, self.sample_weight = x, y, sample_weight
+        self.scatter, self.xs, self.ys, self.sws = scatter, xs, ys, sws
+        self.coefficient = coefficient
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

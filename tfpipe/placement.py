@@ -1,0 +1,73 @@
+"""Which device each stage runs on, and checks that variables stay there.
+
+Placement in TensorFlow fails silently: a misspelt device name falls back to
+CPU:0, layers built symbolically land on the default device, and so do lazily
+created optimizer slots. This module resolves device names strictly and builds
+stages eagerly under their device so none of that can happen unnoticed.
+"""
+
+import tensorflow as tf
+
+
+def available_devices(device_type=None):
+    """Full names of the logical devices TensorFlow sees, in index order."""
+    devices = tf.config.list_logical_devices(device_type)
+    return [d.name for d in devices]
+
+
+def default_devices():
+    """All logical GPUs if there are any, else all logical CPUs."""
+    return available_devices("GPU") or available_devices("CPU")
+
+
+def canonical_device(name):
+    """Resolves a device string to the full name of an existing logical device.
+
+    `"/CPU:1"`, `"cpu:1"`, `"/device:CPU:1"` and
+    `"/job:localhost/replica:0/task:0/device:CPU:1"` all resolve to the last
+    form.
+
+    Raises:
+      ValueError: no logical device matches `name` (TensorFlow itself would
+        silently fall back to CPU:0).
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"A device must be a non-empty string, got {name!r}.")
+    try:
+        spec = tf.DeviceSpec.from_string(name.strip())
+    except ValueError as err:
+        raise ValueError(f"Device {name!r} is not a valid device string: {err}") from None
+    known = available_devices()
+    for full in known:
+        have = tf.DeviceSpec.from_string(full)
+        if (
+            spec.device_type is not None
+            and spec.device_type.upper() == have.device_type
+            and (spec.device_index or 0) == have.device_index
+            and spec.job in (None, have.job)
+            and spec.task in (None, have.task)
+            and spec.replica in (None, have.replica)
+        ):
+            return full
+    raise ValueError(
+        f"Device {name!r} does not exist. Available logical devices: {known}. "
+        f"To get more logical CPUs on one machine call "
+        f"tfpipe.testing.use_logical_cpus(n) before TensorFlow initialises."
+    )
+
+
+def device_of(variable):
+    """The full device name of a Keras or TF variable's storage."""
+    value = getattr(variable, "value", variable)
+    return value.device
+
+
+def misplaced_variables(variables, device):
+    """Paths of those `variables` not stored on `device` (a full name)."""
+    want = tf.DeviceSpec.from_string(device)
+    bad = []
+    for v in variables:
+        have = tf.DeviceSpec.from_string(device_of(v))
+        if (have.device_type, have.device_index) != (want.device_type, want.device_index):
+            bad.append(f"{getattr(v, 'path', v.name)} on {device_of(v)}")
+    return bad

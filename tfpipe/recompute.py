@@ -1,0 +1,63 @@
+"""Re-materialisation policies and side-effect-free stage replay.
+
+GPipe keeps only each stage's input for a micro-batch and recomputes the
+stage's activations during the backward pass. tfpipe does the recompute itself
+rather than through `tf.recompute_grad`, for two reasons measured on TF 2.21:
+`tf.recompute_grad` replays stochastic layers with an advanced seed (a different
+dropout mask than the forward used, so wrong gradients), and it runs the
+backward wherever the enclosing tape is, not on the stage's device.
+
+A replay here (1) restores the stage's seed-generator state to what it was
+before that micro-batch's forward, so dropout masks are identical, and (2) puts
+every non-trainable variable (seed states, BatchNorm moving statistics) back
+afterwards, so a recompute never updates state twice.
+"""
+
+import tensorflow as tf
+
+from tfpipe import _internal
+
+RECOMPUTE_MODES = ("always", "except_last", "never")
+
+
+def validate(mode):
+    """Returns `mode` if it names a recompute policy, else raises ValueError."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"Unknown recompute mode {mode!r}. Use one of {list(RECOMPUTE_MODES)}: "
+            f"'always' recomputes every stage in the backward pass, "
+            f"'except_last' all but the last micro-batch (as torchgpipe), "
+            f"'never' keeps all activations."
+        )
+    return mode
+
+
+def should_recompute(mode, microbatch, num_microbatches):
+    """Whether micro-batch `microbatch` (0-based) of M is recomputed."""
+    if mode == "always":
+        return True
+    if mode == "except_last":
+        return microbatch != num_microbatches - 1
+    return False
+
+
+class StageState:
+    """The RNG and non-trainable state of one stage, for exact replays."""
+
+    def __init__(self, stage):
+        self._seed_vars = [g.state for g in _internal.seed_generators(stage)]
+        self._state_vars = list(stage.non_trainable_variables)
+
+    def snapshot_seeds(self):
+        """Current seed states; pass to `replay` to redraw the same masks."""
+        return [tf.identity(v.value) for v in self._seed_vars]
+
+    def replay(self, seeds, fn):
+        """Runs `fn()` with seeds set to `seeds`; restores all state after."""
+        saved = [tf.identity(v.value) for v in self._state_vars]
+        for var, value in zip(self._seed_vars, seeds):
+            var.assign(value)
+        result = fn()
+        for var, value in zip(self._state_vars, saved):
+            var.assign(value)
+        return result

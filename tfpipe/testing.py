@@ -1,0 +1,38 @@
+"""Helpers for running pipelines on one machine: logical CPU devices."""
+
+import tensorflow as tf
+
+
+def use_logical_cpus(n):
+    """Splits the physical CPU into `n` logical devices (`/device:CPU:0..n-1`).
+
+    Must run before TensorFlow initialises its devices (before the first op or
+    device query). Calling it again with the same `n` is a no-op.
+
+    >>> import tfpipe
+    >>> tfpipe.testing.use_logical_cpus(4)  # doctest: +SKIP
+
+    Raises:
+      ValueError: `n` is not a positive integer.
+      RuntimeError: TensorFlow already initialised with a different count.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"use_logical_cpus(n) needs a positive integer n, got {n!r}.")
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    configured = tf.config.get_logical_device_configuration(cpu)
+    if configured is not None and len(configured) == n:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
+        )
+    except RuntimeError:
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have == n:
+            return
+        raise RuntimeError(
+            f"use_logical_cpus({n}): TensorFlow is already initialised with {have} "
+            f"logical CPU device(s), and the count cannot change in a running "
+            f"process. Call tfpipe.testing.use_logical_cpus({n}) before any "
+            f"TensorFlow op runs (e.g. at the top of the script or in conftest.py)."
+        ) from None

@@ -1,0 +1,10 @@
+"""Test setup: 4 logical CPU devices, made before TensorFlow initialises."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tfpipe  # noqa: E402
+
+NUM_DEVICES = 4
+tfpipe.testing.use_logical_cpus(NUM_DEVICES)

@@ -1,0 +1,64 @@
+"""Small models and data shared by the tests; plain Keras references."""
+
+import keras
+import numpy as np
+
+import tfpipe
+
+
+def mlp_layers():
+    return [
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(3),
+    ]
+
+
+def cnn_layers():
+    return [
+        keras.layers.Conv2D(4, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(6, 2, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(5),
+    ]
+
+
+def reference(layers, input_shape, seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input(input_shape)] + layers)
+
+
+def regression_data(n=80, features=8, outputs=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = (x[:, :outputs] * 2.0 + rng.normal(size=(n, outputs)) * 0.1).astype("float32")
+    return x, y
+
+
+def image_data(n=80, classes=5, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8, 8, 1)).astype("float32")
+    y = rng.integers(0, classes, size=(n,)).astype("int32")
+    return x, y
+
+
+def pipelined_copy(model, num_microbatches, recompute="except_last", balance=None,
+                   devices=None, **compile_kwargs):
+    """A PipelinedModel cut from `model` (weights copied), compiled."""
+    strategy = tfpipe.PipelineStrategy(devices=devices, num_microbatches=num_microbatches,
+                                       recompute=recompute)
+    with strategy.scope():
+        pipelined = tfpipe.PipelinedModel.from_model(model, balance=balance)
+        pipelined.compile(**compile_kwargs)
+    return pipelined
+
+
+def stage_weights(pipelined):
+    return [w for stage in pipelined.stages for w in stage.get_weights()]
+
+
+def max_abs_diff(weights_a, weights_b):
+    assert len(weights_a) == len(weights_b)
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(weights_a, weights_b))
