@@ -103,3 +103,11 @@ def compiled_loss_reductions(model):
         else:
             reductions.append(str(loss.reduction))
     return reductions
+
+
+def in_keras_symbolic_build():
+    """True inside Keras' symbolic (stateless) build, where variable creation
+    is deferred and would later land on the default device."""
+    from keras.src.backend.common import stateless_scope  # pylint: disable=import-outside-toplevel
+
+    return stateless_scope.in_stateless_scope()

@@ -17,6 +17,7 @@ unweighted metrics included) sees exactly what full-batch training shows it.
 import math
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfpipe import _internal
@@ -200,6 +201,15 @@ class PipelinedModel(keras.Model):
         return pipelined
 
     def build(self, input_shape):
+        if _internal.in_keras_symbolic_build():
+            raise ValueError(
+                f"{self.name}: Keras tried to build the pipeline symbolically, which "
+                f"would put every stage's variables on the default device. Build it "
+                f"first: pass input_shape=(None, ...) to PipelinedModel, call "
+                f"model.build(input_shape), or call fit/evaluate/predict with arrays "
+                f"or a tf.data.Dataset (tfpipe builds from their shapes)."
+            )
+        self._built_input_shape = _map_shapes(list, input_shape)
         # Runs eagerly even when Keras builds symbolically inside a FuncGraph:
         # variables created there would land on the default device.
         with tf.init_scope(), self._scope():
@@ -291,8 +301,27 @@ class PipelinedModel(keras.Model):
                     f"it and gives the padding zero weight.)"
                 )
 
+    def _build_from_data(self, x):
+        """Builds eagerly from the shapes and dtypes of `x` (arrays or dataset)."""
+        if self.built or x is None:
+            return
+        if isinstance(x, tf.data.Dataset):
+            spec = x.element_spec
+            features = spec[0] if isinstance(spec, tuple) else spec
+            leaves = tf.nest.flatten(features)
+            shapes = tf.nest.map_structure(lambda s: tuple(s.shape), features)
+        elif isinstance(x, keras.utils.PyDataset) or callable(getattr(x, "__next__", None)):
+            return  # batches only known when iterated; build() explains the fix
+        else:
+            leaves = tf.nest.flatten(x)
+            shapes = tf.nest.map_structure(lambda a: (None,) + tuple(np.shape(a))[1:], x)
+        if leaves:
+            self._input_dtype = keras.backend.standardize_dtype(leaves[0].dtype)
+        self.build(shapes)
+
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         self._check_batch(batch_size, x, "fit")
+        self._build_from_data(x)
         validation_data = kwargs.get("validation_data")
         if validation_data is not None:
             vx = validation_data if isinstance(validation_data, tf.data.Dataset) else validation_data[0]
@@ -301,10 +330,12 @@ class PipelinedModel(keras.Model):
 
     def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
         self._check_batch(batch_size, x, "evaluate")
+        self._build_from_data(x)
         return super().evaluate(x, y, batch_size, *args, **kwargs)
 
     def predict(self, x, batch_size=None, *args, **kwargs):
         self._check_batch(batch_size, x, "predict")
+        self._build_from_data(x)
         return super().predict(x, batch_size, *args, **kwargs)
 
     def compute_microbatch_loss(self, x, y, y_pred, sample_weight):
@@ -405,13 +436,34 @@ class PipelinedModel(keras.Model):
             "input_dtype": self._input_dtype,
         }
 
+    def get_build_config(self):
+        if not self.built:
+            return None
+        return {"input_shape": self._built_input_shape, "input_dtype": self._input_dtype}
+
+    def build_from_config(self, config):
+        if config and not self.built:
+            self._input_dtype = config.get("input_dtype", self._input_dtype)
+            self.build(config["input_shape"])
+
+    def compile_from_config(self, config):
+        # Keras skips this for models that override compile(); ours only adds
+        # checks, so restoring the saved compile arguments is safe.
+        config = keras.saving.deserialize_keras_object(config)
+        config.pop("jit_compile", None)
+        self.compile(**config)
+
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        stages = [
-            keras.saving.deserialize_keras_object(s, custom_objects=custom_objects)
-            for s in config.pop("stages")
-        ]
+        devices = (strategy_lib.current_pipeline_strategy()
+                   or strategy_lib.PipelineStrategy()).devices
+        stages = []
+        for k, stage_config in enumerate(config.pop("stages")):
+            # A deserialised Sequential builds itself: do it on its device.
+            with tf.device(devices[k]) if k < len(devices) else _null():
+                stages.append(keras.saving.deserialize_keras_object(
+                    stage_config, custom_objects=custom_objects))
         return cls(stages=stages, **config)
 
 

@@ -45,19 +45,24 @@ class StageState:
     """The RNG and non-trainable state of one stage, for exact replays."""
 
     def __init__(self, stage):
-        self._seed_vars = [g.state for g in _internal.seed_generators(stage)]
-        self._state_vars = list(stage.non_trainable_variables)
+        self._stage = stage
+
+    def _seed_vars(self):
+        # Looked up when tracing, not at construction: a stage's variables
+        # exist only once it is built.
+        return [g.state for g in _internal.seed_generators(self._stage)]
 
     def snapshot_seeds(self):
         """Current seed states; pass to `replay` to redraw the same masks."""
-        return [tf.identity(v.value) for v in self._seed_vars]
+        return [tf.identity(v.value) for v in self._seed_vars()]
 
     def replay(self, seeds, fn):
         """Runs `fn()` with seeds set to `seeds`; restores all state after."""
-        saved = [tf.identity(v.value) for v in self._state_vars]
-        for var, value in zip(self._seed_vars, seeds):
+        state_vars = list(self._stage.non_trainable_variables)
+        saved = [tf.identity(v.value) for v in state_vars]
+        for var, value in zip(self._seed_vars(), seeds):
             var.assign(value)
         result = fn()
-        for var, value in zip(self._state_vars, saved):
+        for var, value in zip(state_vars, saved):
             var.assign(value)
         return result

@@ -8,3 +8,5 @@ import tfpipe  # noqa: E402
 
 NUM_DEVICES = 4
 tfpipe.testing.use_logical_cpus(NUM_DEVICES)
+# Initialise now, so every test sees the same 4 devices whatever runs first.
+assert len(tfpipe.placement.available_devices("CPU")) == NUM_DEVICES

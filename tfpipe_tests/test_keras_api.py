@@ -1,0 +1,125 @@
+"""PipelinedModel behaves as a Keras model: fit options, callbacks, saving."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpipe
+from tfpipe import placement
+from tfpipe_tests import helpers
+
+
+def _model(m=2, **compile_kwargs):
+    compile_kwargs = compile_kwargs or dict(optimizer="adam", loss="mse", metrics=["mae"])
+    ref = helpers.reference(helpers.mlp_layers(), (8,))
+    return ref, helpers.pipelined_copy(ref, m, balance=[1, 1, 1, 1], **compile_kwargs)
+
+
+class _Recorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.events.append(("epoch", epoch, sorted(logs)))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.events.append(("batch", batch))
+
+
+def test_fit_with_validation_callbacks_and_dataset():
+    x, y = helpers.regression_data(n=96)
+    ref, model = _model(m=4)
+    ref.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    train = tf.data.Dataset.from_tensor_slices((x[:64], y[:64])).batch(16)
+    val = tf.data.Dataset.from_tensor_slices((x[64:], y[64:])).batch(16)
+    recorder = _Recorder()
+    history = model.fit(train, validation_data=val, epochs=2, verbose=0, callbacks=[recorder])
+    ref_history = ref.fit(train, validation_data=val, epochs=2, verbose=0)
+    assert [e for e in recorder.events if e[0] == "epoch"] == [
+        ("epoch", 0, ["loss", "mae", "val_loss", "val_mae"]),
+        ("epoch", 1, ["loss", "mae", "val_loss", "val_mae"]),
+    ]
+    assert len([e for e in recorder.events if e[0] == "batch"]) == 8
+    for key in ("loss", "val_loss", "val_mae"):
+        np.testing.assert_allclose(history.history[key], ref_history.history[key], rtol=1e-5)
+
+
+def test_steps_per_execution_trains_identically():
+    x, y = helpers.regression_data(n=64)
+    ref, model = _model(m=2, optimizer="adam", loss="mse", steps_per_execution=2)
+    ref.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    ref.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 4
+    assert helpers.max_abs_diff(ref.get_weights(), helpers.stage_weights(model)) < 1e-5
+
+
+def test_progress_bar_prints_metrics(capsys):
+    x, y = helpers.regression_data(n=32)
+    _, model = _model()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=1)
+    out = capsys.readouterr().out
+    assert "2/2" in out and "loss:" in out and "mae:" in out
+
+
+def test_keras_save_and_load_round_trip(tmp_path):
+    x, y = helpers.regression_data(n=32)
+    _, model = _model(m=4)
+    model.fit(x, y, batch_size=16, verbose=0)
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    strategy = tfpipe.PipelineStrategy(num_microbatches=4)
+    with strategy.scope():
+        loaded = keras.models.load_model(path)
+    assert isinstance(loaded, tfpipe.PipelinedModel)
+    assert loaded.num_microbatches == 4 and len(loaded.stages) == 4
+    np.testing.assert_allclose(loaded.predict(x, batch_size=16, verbose=0),
+                               model.predict(x, batch_size=16, verbose=0), atol=1e-6)
+    for stage, device in zip(loaded.stages, loaded.stage_devices):
+        assert not placement.misplaced_variables(stage.weights, device)
+    # The optimizer state came back too: training continues identically.
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    loaded.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert helpers.max_abs_diff(helpers.stage_weights(model), helpers.stage_weights(loaded)) < 1e-6
+
+
+def test_save_weights_and_load_weights(tmp_path):
+    x, _ = helpers.regression_data(n=16)
+    _, trained = _model()
+    path = os.path.join(tmp_path, "pipe.weights.h5")
+    trained.save_weights(path)
+    _, fresh = _model()
+    for stage in fresh.stages:
+        stage.set_weights([np.zeros_like(w) for w in stage.get_weights()])
+    fresh.load_weights(path)
+    np.testing.assert_allclose(fresh.predict(x, batch_size=16, verbose=0),
+                               trained.predict(x, batch_size=16, verbose=0), atol=1e-7)
+
+
+def test_summary_shows_stages_and_devices():
+    _, model = _model(m=8)
+    lines = []
+    model.summary(print_fn=lambda line, **kwargs: lines.append(line))
+    text = "\n".join(lines)
+    assert "4 stage(s) x 8 micro-batch(es)" in text
+    for k in range(4):
+        assert f"stage_{k}" in text and f"CPU:{k}" in text
+
+
+def test_jit_compile_auto_is_turned_off():
+    _, model = _model()
+    assert model.jit_compile is False
+
+
+def test_predict_keeps_order_with_ragged_batches():
+    x = np.arange(37 * 2, dtype="float32").reshape(37, 2)
+    strategy = tfpipe.PipelineStrategy(num_microbatches=4)
+    with strategy.scope():
+        model = tfpipe.PipelinedModel(
+            [keras.layers.Identity(), keras.layers.Lambda(lambda t: t * 2.0)],
+            input_shape=(None, 2))
+    np.testing.assert_array_equal(model.predict(x, batch_size=8, verbose=0), x * 2.0)

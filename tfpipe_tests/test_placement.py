@@ -1,0 +1,106 @@
+"""Every stage's variables and optimizer slots live on that stage's device."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpipe
+from tfpipe import placement
+from tfpipe_tests import helpers
+
+
+def _spec(device):
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.device_type, spec.device_index
+
+
+def _slots_by_device(model):
+    """{variable path: device of each optimizer slot made for it}."""
+    optimizer = model.optimizer
+    out = {}
+    for var in model.trainable_variables:
+        slots = [s for s in optimizer.variables
+                 if s.path.endswith(var.path.replace("/", "_") + "_momentum")
+                 or s.path.endswith(var.path.replace("/", "_") + "_velocity")]
+        out[var.path] = [placement.device_of(s) for s in slots]
+    return out
+
+
+@pytest.mark.parametrize("build", ["from_model", "stages_with_input_shape", "lazy_fit"])
+def test_variables_and_slots_on_stage_devices(build):
+    x, y = helpers.regression_data(n=32)
+    strategy = tfpipe.PipelineStrategy(num_microbatches=2)
+    with strategy.scope():
+        if build == "from_model":
+            model = tfpipe.PipelinedModel.from_model(
+                helpers.reference(helpers.mlp_layers(), (8,)), balance=[1, 1, 1, 1])
+        elif build == "stages_with_input_shape":
+            model = tfpipe.PipelinedModel(helpers.mlp_layers(), input_shape=(None, 8))
+        else:
+            model = tfpipe.PipelinedModel(helpers.mlp_layers())
+        model.compile(optimizer="adam", loss="mse")
+    # Outside the scope, as users do: the first fit builds anything still lazy.
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert len(strategy.devices) == 4
+    slots = _slots_by_device(model)
+    for stage, device in zip(model.stages, model.stage_devices):
+        assert stage.weights
+        for var in stage.weights:
+            assert _spec(placement.device_of(var)) == _spec(device), var.path
+        for var in stage.trainable_variables:
+            assert len(slots[var.path]) == 2, var.path  # Adam: momentum + velocity
+            for slot_device in slots[var.path]:
+                assert _spec(slot_device) == _spec(device), var.path
+    assert [_spec(d)[1] for d in model.stage_devices] == [0, 1, 2, 3]
+
+
+def test_optimizer_made_outside_scope_still_places_slots():
+    strategy = tfpipe.PipelineStrategy(num_microbatches=2)
+    optimizer = keras.optimizers.Adam()  # created before entering the scope
+    with strategy.scope():
+        model = tfpipe.PipelinedModel(helpers.mlp_layers(), input_shape=(None, 8))
+        model.compile(optimizer=optimizer, loss="mse")
+    x, y = helpers.regression_data(n=16)
+    model.fit(x, y, batch_size=16, verbose=0)
+    for var, devices in _slots_by_device(model).items():
+        stage_index = next(i for i, s in enumerate(model.stages)
+                           if any(v.path == var for v in s.trainable_variables))
+        assert {_spec(d) for d in devices} == {_spec(model.stage_devices[stage_index])}
+
+
+def test_explicit_devices_in_any_order():
+    strategy = tfpipe.PipelineStrategy(devices=["/CPU:3", "cpu:1"], num_microbatches=2)
+    assert strategy.devices == ("/device:CPU:3", "/device:CPU:1")
+    with strategy.scope():
+        model = tfpipe.PipelinedModel([keras.layers.Dense(4), keras.layers.Dense(2)],
+                                      input_shape=(None, 3))
+    assert _spec(placement.device_of(model.stages[0].kernel)) == ("CPU", 3)
+    assert _spec(placement.device_of(model.stages[1].kernel)) == ("CPU", 1)
+
+
+def test_training_ops_run_on_stage_devices():
+    """The traced step puts each stage's forward, backward and update on its device."""
+    strategy = tfpipe.PipelineStrategy(num_microbatches=2, recompute="always")
+    with strategy.scope():
+        model = tfpipe.PipelinedModel(
+            [keras.layers.Dense(4, name="first"), keras.layers.Dense(2, name="second")],
+            input_shape=(None, 3))
+        model.compile(optimizer="adam", loss="mse")
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 2), "float32")
+    model.fit(x, y, batch_size=8, verbose=0)
+    step = tf.function(model.train_step)
+    graph = step.get_concrete_function(
+        (tf.TensorSpec([8, 3], tf.float32), tf.TensorSpec([8, 2], tf.float32))).graph
+    matmuls = {}
+
+    def visit(g):
+        for op in g.get_operations():
+            if op.type in ("MatMul", "BatchMatMulV2"):
+                matmuls.setdefault(_spec(op.device) if op.device else None, []).append(op.name)
+        for f in g._functions.values():  # nested functions (gradients, conds)
+            if hasattr(f, "graph"):
+                visit(f.graph)
+    visit(graph)
+    assert None not in matmuls, matmuls.get(None)
+    assert set(matmuls) == {("CPU", 0), ("CPU", 1)}

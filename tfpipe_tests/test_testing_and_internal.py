@@ -1,0 +1,77 @@
+"""`tfpipe.testing` and the private TF/Keras APIs that `tfpipe._internal` pins."""
+
+import keras
+import pytest
+import tensorflow as tf
+
+import tfpipe
+from tfpipe import _internal
+from tfpipe import partition
+from tfpipe_tests import conftest
+
+
+def test_use_logical_cpus_same_count_is_a_no_op():
+    tfpipe.testing.use_logical_cpus(conftest.NUM_DEVICES)
+    assert len(tf.config.list_logical_devices("CPU")) == conftest.NUM_DEVICES
+
+
+def test_use_logical_cpus_after_initialisation_with_other_count():
+    with pytest.raises(RuntimeError, match=r"already initialised with 4 logical CPU.*"
+                                           r"before any TensorFlow op"):
+        tfpipe.testing.use_logical_cpus(2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_use_logical_cpus_rejects_bad_counts(bad):
+    with pytest.raises(ValueError, match="positive integer"):
+        tfpipe.testing.use_logical_cpus(bad)
+
+
+def test_strategy_is_a_tf_distribute_strategy_and_becomes_current():
+    strategy = tfpipe.PipelineStrategy(num_microbatches=8)
+    assert isinstance(strategy, tf.distribute.Strategy)
+    assert strategy.num_stages == 4 and strategy.num_microbatches == 8
+    assert strategy.num_replicas_in_sync == 1
+    assert strategy.devices == tuple(f"/device:CPU:{k}" for k in range(4))
+    with strategy.scope():
+        assert tf.distribute.get_strategy() is strategy
+        with tf.device(strategy.devices[2]):
+            v = tf.Variable(1.0)
+        assert v.device.endswith("CPU:2")  # the strategy does not override tf.device
+        with strategy.extended.colocate_vars_with(v):
+            slot = tf.Variable(0.0)
+        assert slot.device.endswith("CPU:2")
+    assert not tf.distribute.has_strategy()
+
+
+def test_seed_generators_found_in_nested_layers():
+    stage = keras.Sequential([keras.layers.Dense(2), keras.layers.Dropout(0.1),
+                              keras.Sequential([keras.layers.GaussianNoise(0.1)])])
+    assert len(_internal.seed_generators(stage)) == 2
+
+
+def test_compiled_loss_reductions():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(loss="mse")
+    assert _internal.compiled_loss_reductions(model) == ["sum_over_batch_size"]
+    model.compile(loss=keras.losses.MeanAbsoluteError(reduction="sum"))
+    assert _internal.compiled_loss_reductions(model) == ["sum"]
+
+
+def test_balance_by_params_evens_out_parameters():
+    layers = [keras.layers.Dense(n) for n in (64, 8, 8, 8, 64)]
+    shape = (None, 16)
+    for layer in layers:
+        layer.build(shape)
+        shape = (None, layer.units)
+    # costs: 1089, 521, 73, 73, 577 -> best max is 1089 with [1, 3, 1] or [1, 2, 2]
+    balance = partition.balance_by_params(layers, 3)
+    assert sum(balance) == 5 and min(balance) >= 1 and balance[0] == 1
+    assert partition.balance_by_params(layers, 5) == [1, 1, 1, 1, 1]
+
+
+def test_from_model_balances_by_params_by_default():
+    ref = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(8)])
+    with tfpipe.PipelineStrategy().scope():
+        model = tfpipe.PipelinedModel.from_model(ref)
+    assert model.balance == [2, 2, 2, 2]
