@@ -24,6 +24,7 @@ setup(
         TF,
         "keras>=3.15,<4",
         "absl-py",
+        "tensorboard",  # TensorBoard logs from the training entry point
         "tensorflow-datasets",
         "importlib_resources",  # tensorflow-datasets 4.9.10 imports it without listing it
         "scikit-learn",  # ships the digits data set the default training run uses

@@ -47,7 +47,7 @@ class Pipeline:
     Args:
       stages: list of K built Keras layers; stage k maps the output structure
         of stage k-1 to its own (any nest of tensors, batch on axis 0).
-      devices: list of K full device names.
+      devices: list of K device names (as `tfpipe.placement.canonical_device`).
       schedule: a `tfpipe.schedules` schedule instance.
       recompute: one of `tfpipe.recompute.RECOMPUTE_MODES`.
       enforce_order: add control dependencies so each device runs its actions

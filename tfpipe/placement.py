@@ -10,7 +10,7 @@ import tensorflow as tf
 
 
 def available_devices(device_type=None):
-    """Full names of the logical devices TensorFlow sees, in index order."""
+    """Names of the logical devices TensorFlow sees, in index order."""
     devices = tf.config.list_logical_devices(device_type)
     return [d.name for d in devices]
 
@@ -21,11 +21,11 @@ def default_devices():
 
 
 def canonical_device(name):
-    """Resolves a device string to the full name of an existing logical device.
+    """Resolves a device string to the name TensorFlow lists for that device.
 
     `"/CPU:1"`, `"cpu:1"`, `"/device:CPU:1"` and
-    `"/job:localhost/replica:0/task:0/device:CPU:1"` all resolve to the last
-    form.
+    `"/job:localhost/replica:0/task:0/device:CPU:1"` all resolve to
+    `"/device:CPU:1"` on one machine.
 
     Raises:
       ValueError: no logical device matches `name` (TensorFlow itself would
@@ -44,9 +44,11 @@ def canonical_device(name):
             spec.device_type is not None
             and spec.device_type.upper() == have.device_type
             and (spec.device_index or 0) == have.device_index
-            and spec.job in (None, have.job)
-            and spec.task in (None, have.task)
-            and spec.replica in (None, have.replica)
+            # Local devices are listed without job/replica/task; the process
+            # itself is /job:localhost/replica:0/task:0.
+            and spec.job in (None, have.job or "localhost")
+            and spec.replica in (None, have.replica or 0)
+            and spec.task in (None, have.task or 0)
         ):
             return full
     raise ValueError(
@@ -63,7 +65,7 @@ def device_of(variable):
 
 
 def misplaced_variables(variables, device):
-    """Paths of those `variables` not stored on `device` (a full name)."""
+    """Paths of those `variables` not stored on `device` (type and index)."""
     want = tf.DeviceSpec.from_string(device)
     bad = []
     for v in variables:

@@ -70,7 +70,8 @@ def test_optimizer_made_outside_scope_still_places_slots():
 
 
 def test_explicit_devices_in_any_order():
-    strategy = tfpipe.PipelineStrategy(devices=["/CPU:3", "cpu:1"], num_microbatches=2)
+    strategy = tfpipe.PipelineStrategy(
+        devices=["/job:localhost/replica:0/task:0/device:CPU:3", "cpu:1"], num_microbatches=2)
     assert strategy.devices == ("/device:CPU:3", "/device:CPU:1")
     with strategy.scope():
         model = tfpipe.PipelinedModel([keras.layers.Dense(4), keras.layers.Dense(2)],

@@ -1,0 +1,1 @@
+"""Model builders for tfpipe examples and launch scripts."""
