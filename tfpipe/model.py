@@ -213,12 +213,11 @@ class PipelinedModel(keras.Model):
         # Runs eagerly even when Keras builds symbolically inside a FuncGraph:
         # variables created there would land on the default device.
         with tf.init_scope(), self._scope():
-            h = _map_shapes(
-                lambda s: tf.zeros([1 if d is None else d for d in s[:1]] +
-                                   [1 if d is None else d for d in s[1:]],
-                                   dtype=self._input_dtype),
-                input_shape,
-            )
+            # Symbolic inputs keep the batch dimension None in every stage's
+            # recorded shapes; the layers still build (create variables) eagerly,
+            # under the device scope, before Keras' stateless symbolic call.
+            h = _map_shapes(lambda s: keras.KerasTensor(s, dtype=self._input_dtype),
+                            input_shape)
             for k, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
                 if stage.built and stage.weights:
                     bad = placement.misplaced_variables(stage.weights, device)

@@ -106,6 +106,7 @@ def test_summary_shows_stages_and_devices():
     model.summary(print_fn=lambda line, **kwargs: lines.append(line))
     text = "\n".join(lines)
     assert "4 stage(s) x 8 micro-batch(es)" in text
+    assert "(None, 16)" in text and "(None, 3)" in text  # batch stays unspecified
     for k in range(4):
         assert f"stage_{k}" in text and f"CPU:{k}" in text
 
