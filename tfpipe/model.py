@@ -14,6 +14,7 @@ step on the gathered outputs of the real rows, so every metric (AUC and
 unweighted metrics included) sees exactly what full-batch training shows it.
 """
 
+import contextlib
 import math
 
 import keras
@@ -188,7 +189,7 @@ class PipelinedModel(keras.Model):
             kwargs["input_shape"] = tuple(model.inputs[0].shape)
             kwargs.setdefault("input_dtype", model.inputs[0].dtype)
         kwargs.setdefault("name", f"pipelined_{model.name}")
-        with strategy.scope() if strategy_lib.current_pipeline_strategy() is None else _null():
+        with strategy.scope() if strategy_lib.current_pipeline_strategy() is None else contextlib.nullcontext():
             pipelined = cls(stages, **kwargs)
         if not pipelined.built:
             raise ValueError(
@@ -236,7 +237,7 @@ class PipelinedModel(keras.Model):
 
     def _scope(self):
         if tf.distribute.get_strategy() is self._distribute_strategy:
-            return _null()
+            return contextlib.nullcontext()
         return self._distribute_strategy.scope()
 
     def _build_optimizer(self):
@@ -460,7 +461,7 @@ class PipelinedModel(keras.Model):
         stages = []
         for k, stage_config in enumerate(config.pop("stages")):
             # A deserialised Sequential builds itself: do it on its device.
-            with tf.device(devices[k]) if k < len(devices) else _null():
+            with tf.device(devices[k]) if k < len(devices) else contextlib.nullcontext():
                 stages.append(keras.saving.deserialize_keras_object(
                     stage_config, custom_objects=custom_objects))
         return cls(stages=stages, **config)
@@ -473,11 +474,3 @@ class _Step:
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.scatter, self.xs, self.ys, self.sws = scatter, xs, ys, sws
         self.coefficient = coefficient
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
