@@ -4,7 +4,7 @@ Data flow for one training step with K stages and M micro-batches:
 
     micro-batch m --stage 0 (device 0)--> h1[m] --stage 1 (device 1)--> ... y_pred[m]
     loss[m] = loss_fn(m, y_pred[m])                       (on the last device)
-    backward in the schedule's order, stage k under device k:
+    every action in the schedule's order, stage k under its device:
         d(inputs of k), d(vars of k) = grad(outputs of k; output_gradients)
 
 Each stage's backward is its own `tape.gradient` under its own `tf.device`
@@ -16,6 +16,7 @@ micro-batches on the stage's device and returned for one optimizer update.
 import tensorflow as tf
 
 from tfpipe import recompute as recompute_lib
+from tfpipe import schedules
 
 
 def _is_float(t):
@@ -42,24 +43,32 @@ def _add_gradients(acc, grad):
 
 
 class Pipeline:
-    """K stages on K devices, run under a schedule.
+    """K stages on D devices, run under a schedule.
 
     Args:
       stages: list of K built Keras layers; stage k maps the output structure
         of stage k-1 to its own (any nest of tensors, batch on axis 0).
-      devices: list of K device names (as `tfpipe.placement.canonical_device`).
-      schedule: a `tfpipe.schedules` schedule instance.
+      devices: list of D device names (as `tfpipe.placement.canonical_device`);
+        stage k runs on `devices[schedule.stage_device(k, D)]`.
+      schedule: a `tfpipe.schedules.Schedule`; K must be
+        `schedule.num_stages(D)`.
       recompute: one of `tfpipe.recompute.RECOMPUTE_MODES`.
       enforce_order: add control dependencies so each device runs its actions
         in exactly the schedule's order (as one accelerator stream would).
     """
 
     def __init__(self, stages, devices, schedule, recompute, enforce_order=True):
-        if len(stages) != len(devices):
-            raise ValueError(f"{len(stages)} stages need {len(stages)} devices, got {len(devices)}.")
         self.stages = list(stages)
         self.devices = list(devices)
-        self.schedule = schedule
+        self.schedule = schedules.get(schedule)
+        expected = self.schedule.num_stages(len(self.devices))
+        if len(self.stages) != expected:
+            raise ValueError(
+                f"{self.schedule!r} on {len(self.devices)} device(s) runs {expected} "
+                f"stage(s), got {len(self.stages)}."
+            )
+        self.stage_device = [self.schedule.stage_device(k, len(self.devices))
+                             for k in range(len(self.stages))]
         self.recompute = recompute_lib.validate(recompute)
         self.enforce_order = enforce_order
         self._states = [recompute_lib.StageState(s) for s in self.stages]
@@ -71,6 +80,10 @@ class Pipeline:
     def num_stages(self):
         return len(self.stages)
 
+    def run_order(self, num_microbatches):
+        """The validated (device, action) order the step is traced in."""
+        return schedules.validate(self.schedule, num_microbatches, len(self.devices))
+
     # -- helpers ---------------------------------------------------------
 
     def _call(self, k, inputs, training):
@@ -79,19 +92,40 @@ class Pipeline:
         extra = [tf.cast(l, tf.float32) for l in self.stages[k].losses]
         return out, (tf.add_n(extra) if extra else None)
 
-    def _after_previous(self, last, k, structure):
-        """`structure`, made to wait for device k's previous action."""
-        if not self.enforce_order or last[k] is None:
+    def _after_previous(self, last, d, structure):
+        """`structure`, made to wait for device d's previous action."""
+        if not self.enforce_order or last[d] is None:
             return structure
-        with tf.control_dependencies([last[k]]):
+        with tf.control_dependencies([last[d]]):
             return tf.nest.map_structure(
                 lambda t: None if t is None else tf.identity(t), structure
             )
 
+    @staticmethod
+    def _stamp(timeline, after):
+        """A `tf.timestamp()` (seconds) taken once every tensor in `after` exists."""
+        if timeline is None:
+            return None
+        with tf.control_dependencies([t for t in after if t is not None]):
+            return tf.timestamp()
+
+    @staticmethod
+    def _after_stamp(stamp, structure):
+        """`structure`, made to wait for `stamp`: the action's work starts after it.
+
+        Without this the timestamp op could be scheduled late, after the work
+        it is meant to precede.
+        """
+        if stamp is None:
+            return structure
+        with tf.control_dependencies([stamp]):
+            return tf.nest.map_structure(
+                lambda t: None if t is None else tf.identity(t), structure)
+
     # -- forward only (evaluate / predict) ---------------------------------
 
     def forward(self, inputs, training=False):
-        """Runs the forward schedule without gradients.
+        """Runs the schedule's forward actions, in its order, without gradients.
 
         Args:
           inputs: list of M input structures (micro-batches).
@@ -101,20 +135,24 @@ class Pipeline:
         """
         m_count, k_count = len(inputs), self.num_stages
         acts = {(0, m): inputs[m] for m in range(m_count)}
-        last = [None] * k_count
+        last = [None] * len(self.devices)
         extras = []
-        for m, k in self.schedule.forward_order(m_count, k_count):
-            with tf.device(self.devices[k]):
-                h = self._after_previous(last, k, acts.pop((k, m)))
+        for d, action in self.run_order(m_count):
+            if action.kind != "F":
+                continue
+            k, m = action.stage, action.microbatch
+            with tf.device(self.devices[d]):
+                h = self._after_previous(last, d, acts.pop((k, m)))
                 out, extra = self._call(k, h, training)
                 extras.append(extra)
                 acts[(k + 1, m)] = out
-                last[k] = _float_leaves(out)[0] if _float_leaves(out) else None
+                leaves = _float_leaves(out)
+                last[d] = leaves[0] if leaves else last[d]
         return [acts[(k_count, m)] for m in range(m_count)], extras
 
     # -- training ------------------------------------------------------
 
-    def train(self, inputs, loss_fn, loss_coefficient, scale_loss=None):
+    def train(self, inputs, loss_fn, loss_coefficient, scale_loss=None, timeline=None):
         """Forward and backward over all micro-batches; gradients summed.
 
         Args:
@@ -125,6 +163,9 @@ class Pipeline:
             `sum_m coeff * loss_fn(m) + sum_{m,k} stage_losses[m,k] / M`.
           scale_loss: optional `f(loss) -> loss` applied to what is
             differentiated (Keras `optimizer.scale_loss`, for loss scaling).
+          timeline: optional list; if given, one dict per action is appended:
+            device, kind, stage, microbatch (ints/str) and start, end (float64
+            scalar tensors from `tf.timestamp()`, seconds).
         Returns:
           (outputs, loss, grads): M last-stage outputs, the step loss
           (unscaled), and a list of K lists of gradients aligned with
@@ -138,74 +179,96 @@ class Pipeline:
         out_grads = {}
         outputs = [None] * m_count
         loss_terms = []
-        last = [None] * k_count
-
-        for m, k in self.schedule.forward_order(m_count, k_count):
-            with tf.device(self.devices[k]):
-                h = self._after_previous(last, k, acts.pop((k, m)))
-                if recompute_lib.should_recompute(self.recompute, m, m_count):
-                    seeds = self._states[k].snapshot_seeds()
-                    out, extra = self._call(k, h, True)
-                    saved[(k, m)] = ("replay", h, seeds)
-                else:
-                    with tf.GradientTape() as tape:
-                        tape.watch(_float_leaves(h))
-                        out, extra = self._call(k, h, True)
-                        extra_target = None if extra is None else scale_loss(extra * inv_m)
-                    saved[(k, m)] = ("tape", h, tape, out, extra_target)
-                if extra is not None:
-                    loss_terms.append(extra * inv_m)
-                leaves = _float_leaves(out)
-                last[k] = leaves[0] if leaves else None
-                if k < k_count - 1:
-                    acts[(k + 1, m)] = out
-                    continue
-                outputs[m] = out
-                with tf.GradientTape() as loss_tape:
-                    loss_tape.watch(leaves)
-                    data_loss = loss_coefficient * tf.cast(loss_fn(m, out), tf.float32)
-                    target = scale_loss(data_loss)
-                loss_terms.append(data_loss)
-                out_grads[(k, m)] = loss_tape.gradient(
-                    target, leaves, unconnected_gradients=tf.UnconnectedGradients.ZERO
-                )
-
+        last = [None] * len(self.devices)
         grads = [[None] * len(s.trainable_variables) for s in self.stages]
-        for m, k in self.schedule.backward_order(m_count, k_count):
-            stage_vars = self.stages[k].trainable_variables
-            with tf.device(self.devices[k]):
-                g_out = self._after_previous(last, k, out_grads.pop((k, m)))
-                record = saved.pop((k, m))
-                if record[0] == "replay":
-                    _, h, seeds = record
-                    h, tape, out, extra_target = self._replay(k, h, seeds, g_out, scale_loss, inv_m)
+
+        for d, action in self.run_order(m_count):
+            k, m = action.stage, action.microbatch
+            with tf.device(self.devices[d]):
+                if action.kind == "F":
+                    h = self._after_previous(last, d, acts.pop((k, m)))
+                    start = self._stamp(timeline, _float_leaves(h) + [last[d]])
+                    h = self._after_stamp(start, h)
+                    if recompute_lib.should_recompute(self.recompute, m, m_count):
+                        seeds = self._states[k].snapshot_seeds()
+                        out, extra = self._call(k, h, True)
+                        saved[(k, m)] = ("replay", h, seeds)
+                    else:
+                        with tf.GradientTape() as tape:
+                            tape.watch(_float_leaves(h))
+                            out, extra = self._call(k, h, True)
+                            extra_target = None if extra is None else scale_loss(extra * inv_m)
+                        saved[(k, m)] = ("tape", h, tape, out, extra_target)
+                    if extra is not None:
+                        loss_terms.append(extra * inv_m)
+                    leaves = _float_leaves(out)
+                    last[d] = leaves[0] if leaves else last[d]
+                    if k < k_count - 1:
+                        acts[(k + 1, m)] = out
+                    else:
+                        outputs[m] = out
+                        with tf.GradientTape() as loss_tape:
+                            loss_tape.watch(leaves)
+                            data_loss = loss_coefficient * tf.cast(loss_fn(m, out), tf.float32)
+                            target = scale_loss(data_loss)
+                        loss_terms.append(data_loss)
+                        out_grads[(k, m)] = loss_tape.gradient(
+                            target, leaves, unconnected_gradients=tf.UnconnectedGradients.ZERO
+                        )
+                        last[d] = out_grads[(k, m)][0] if leaves else last[d]
+                    end_deps = leaves + ([] if extra is None else [extra])
+                    if k == k_count - 1:
+                        end_deps = end_deps + list(out_grads[(k, m)])
                 else:
-                    _, h, tape, out, extra_target = record
-                sources = _float_leaves(h)
-                targets = _float_leaves(out)
-                seeds_grad = list(g_out)
-                if extra_target is not None:
-                    targets.append(extra_target)
-                    seeds_grad.append(tf.ones_like(extra_target))
-                all_grads = tape.gradient(
-                    targets,
-                    sources + list(stage_vars),
-                    output_gradients=seeds_grad,
-                    unconnected_gradients=tf.UnconnectedGradients.NONE,
-                )
-                input_grads = all_grads[: len(sources)]
-                for i, g in enumerate(all_grads[len(sources):]):
-                    grads[k][i] = _add_gradients(grads[k][i], g)
-                if k > 0:
-                    out_grads[(k - 1, m)] = [
-                        tf.zeros_like(s) if g is None else tf.convert_to_tensor(g)
-                        for s, g in zip(sources, input_grads)
-                    ]
-                    last[k] = out_grads[(k - 1, m)][0] if sources else last[k]
-                else:
-                    done = [g for g in all_grads if g is not None]
-                    last[k] = tf.convert_to_tensor(done[0]) if done else last[k]
+                    g_out = self._after_previous(last, d, out_grads.pop((k, m)))
+                    start = self._stamp(timeline, list(g_out) + [last[d]])
+                    g_out = self._after_stamp(start, g_out)
+                    done = self._backward(k, m, saved.pop((k, m)), g_out, grads, out_grads,
+                                          scale_loss, inv_m)
+                    last[d] = done if done is not None else last[d]
+                    end_deps = [done]
+                if timeline is not None:
+                    end = self._stamp(timeline, end_deps)
+                    last[d] = end  # the device's next action starts after this stamp
+                    timeline.append(dict(device=d, kind=action.kind, stage=k, microbatch=m,
+                                         start=start, end=end))
         return outputs, tf.add_n(loss_terms), grads
+
+    def _backward(self, k, m, record, g_out, grads, out_grads, scale_loss, inv_m):
+        """Stage k's backward for micro-batch m; returns a tensor it produced."""
+        stage_vars = self.stages[k].trainable_variables
+        if record[0] == "replay":
+            _, h, seeds = record
+            h, tape, out, extra_target = self._replay(k, h, seeds, g_out, scale_loss, inv_m)
+        else:
+            _, h, tape, out, extra_target = record
+        sources = _float_leaves(h)
+        targets = _float_leaves(out)
+        seeds_grad = list(g_out)
+        if extra_target is not None:
+            targets.append(extra_target)
+            seeds_grad.append(tf.ones_like(extra_target))
+        all_grads = tape.gradient(
+            targets,
+            sources + list(stage_vars),
+            output_gradients=seeds_grad,
+            unconnected_gradients=tf.UnconnectedGradients.NONE,
+        )
+        input_grads = all_grads[: len(sources)]
+        for i, g in enumerate(all_grads[len(sources):]):
+            grads[k][i] = _add_gradients(grads[k][i], g)
+        if k > 0:
+            out_grads[(k - 1, m)] = [
+                tf.zeros_like(s) if g is None else tf.convert_to_tensor(g)
+                for s, g in zip(sources, input_grads)
+            ]
+            if sources:
+                return out_grads[(k - 1, m)][0]
+        done = [g for g in all_grads if g is not None]
+        if not done:
+            return None
+        first = done[0]
+        return first.values if isinstance(first, tf.IndexedSlices) else first
 
     def _replay(self, k, h, seeds, g_out, scale_loss, inv_m):
         """Recomputes stage k under a tape, after its output gradient exists."""

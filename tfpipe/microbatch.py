@@ -52,6 +52,11 @@ class Scatter:
         self.real_size = tf.cast(n, tf.float32)
         self.padded_size = tf.cast(n + self._pad, tf.float32)
 
+    def real_rows(self, m):
+        """Real (not padded) rows in micro-batch m: an int32 scalar in [0, b]."""
+        b = (self._n + self._pad) // self.num_microbatches
+        return tf.clip_by_value(self._n - tf.cast(m, tf.int32) * b, 0, b)
+
     def mask(self):
         """Float32 (N + pad,) vector: 1 for real rows, 0 for padding."""
         return tf.concat([tf.ones([self._n]), tf.zeros([self._pad])], axis=0)
@@ -89,3 +94,32 @@ class Scatter:
             return joined[: self._n] if self.needs_padding else joined
 
         return tf.nest.map_structure(cat, *microbatches)
+
+    def stack(self, structure):
+        """`structure` with each tensor reshaped to (M, b, ...): the loop form's input."""
+        if structure is None:
+            return None
+        m = self.num_microbatches
+
+        def one(t):
+            if t is None:
+                return None
+            t = self._pad_tensor(t)
+            shape = tf.concat([[m, -1], tf.shape(t)[1:]], axis=0)
+            out = tf.reshape(t, shape)
+            static = t.shape[0]
+            b = static // m if static is not None and not self.needs_padding else None
+            out.set_shape(tf.TensorShape([m, b]).concatenate(t.shape[1:]))
+            return out
+
+        return tf.nest.map_structure(one, structure)
+
+    def unstack(self, structure):
+        """Inverse of `stack` for (M, b, ...) outputs: (N, ...), padding dropped."""
+
+        def one(t):
+            joined = tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], axis=0))
+            joined.set_shape(tf.TensorShape([None]).concatenate(t.shape[2:]))
+            return joined[: self._n] if self.needs_padding else joined
+
+        return tf.nest.map_structure(one, structure)

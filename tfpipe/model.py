@@ -6,8 +6,10 @@ the batch into M micro-batches, runs the schedule on the stage devices (see
 gradients summed over micro-batches.
 
 Exactness. With Keras' default loss reduction (`sum_over_batch_size`) the
-step loss is `sum_m (b / N) * loss_m`, b rows per micro-batch and N real rows:
-exactly the full-batch loss, including for a padded partial last batch. With
+step loss is `sum_m (r_m / N) * loss_m`, r_m real rows in micro-batch m of N:
+exactly the full-batch loss. A partial last batch is padded to a multiple of
+M and the padded rows are sliced off before the loss, so this holds for any
+loss shape (per-token losses included). With
 `reduction="sum"` it is `sum_m loss_m`. Weight regularisers and other
 `layer.losses` are counted once per step. Metrics are updated once per
 step on the gathered outputs of the real rows, so every metric (AUC and
@@ -23,6 +25,7 @@ import tensorflow as tf
 
 from tfpipe import _internal
 from tfpipe import engine
+from tfpipe import loop
 from tfpipe import microbatch
 from tfpipe import partition
 from tfpipe import placement
@@ -71,7 +74,7 @@ def _dataset_batch_size(x):
 
 @keras.saving.register_keras_serializable(package="tfpipe")
 class PipelinedModel(keras.Model):
-    """A Keras model whose `stages` run as a GPipe pipeline, stage k on device k.
+    """A Keras model whose `stages` run as a pipeline on the strategy's devices.
 
     Args:
       stages: list of K Keras layers or models; stage k takes the output of
@@ -83,6 +86,7 @@ class PipelinedModel(keras.Model):
         nest of shapes; builds the model (places all variables) right away.
       input_dtype: dtype of the dummy batch used to build stages (default
         float32).
+      execution: `"unrolled"` or `"loop"`; default the strategy's.
       **kwargs: passed to `keras.Model` (e.g. `name`).
 
     Create it under `tfpipe.PipelineStrategy(...).scope()`; outside any scope
@@ -98,7 +102,7 @@ class PipelinedModel(keras.Model):
     """
 
     def __init__(self, stages, num_microbatches=None, recompute=None,
-                 input_shape=None, input_dtype="float32", **kwargs):
+                 input_shape=None, input_dtype="float32", execution=None, **kwargs):
         strategy = strategy_lib.current_pipeline_strategy()
         if strategy is None and tf.distribute.has_strategy():
             raise ValueError(
@@ -111,20 +115,27 @@ class PipelinedModel(keras.Model):
         self._distribute_strategy = strategy
         stages = self._validate_stages(stages, strategy)
         self.stages = stages
-        self.stage_devices = tuple(strategy.devices[: len(stages)])
+        # The D devices the schedule runs on; stage k lives on stage_devices[k].
+        self.pipeline_devices, self.stage_devices = strategy.pipeline_devices(len(stages))
         self._num_microbatches_arg = num_microbatches
         self._recompute_arg = recompute
+        self._execution_arg = execution
         self.num_microbatches = strategy_lib.validate_num_microbatches(
             strategy.num_microbatches if num_microbatches is None else num_microbatches
         )
-        self.recompute = recompute_lib.validate(
-            strategy.recompute if recompute is None else recompute
+        self.execution = strategy.execution if execution is None else execution
+        self.recompute = recompute_lib.resolve(
+            strategy._recompute_arg if recompute is None else recompute,  # pylint: disable=protected-access
+            self.execution,
         )
         self.schedule = strategy.schedule
+        # Validates the schedule for this (M, D) now, not at the first step.
+        schedules.validate(self.schedule, self.num_microbatches, len(self.pipeline_devices))
         self._input_dtype = keras.backend.standardize_dtype(input_dtype)
         self._loss_is_sum = False
-        self.pipeline = engine.Pipeline(
-            self.stages, self.stage_devices, self.schedule, self.recompute
+        pipeline_class = loop.LoopPipeline if self.execution == "loop" else engine.Pipeline
+        self.pipeline = pipeline_class(
+            self.stages, self.pipeline_devices, self.schedule, self.recompute
         )
         if input_shape is not None:
             self.build(input_shape)
@@ -151,43 +162,61 @@ class PipelinedModel(keras.Model):
                     f"Stage {k} ({stage.name!r}) is an empty Sequential; every stage "
                     f"needs at least one layer."
                 )
-        if len(stages) > strategy.num_stages:
-            raise ValueError(
-                f"{len(stages)} stages but the strategy has only {strategy.num_stages} "
-                f"devices ({list(strategy.devices)}); use at most {strategy.num_stages} "
-                f"stages, or more devices (e.g. tfpipe.testing.use_logical_cpus"
-                f"({len(stages)}) on CPU)."
-            )
+        strategy.pipeline_devices(len(stages))  # raises if they do not fit
         return stages
 
     # -- construction ----------------------------------------------------
 
     @classmethod
-    def from_model(cls, model, balance=None, **kwargs):
-        """Cuts a Sequential (or functional chain) model into pipeline stages.
+    def from_model(cls, model, balance=None, batch_norm="deferred", sample=None, **kwargs):
+        """Cuts a Sequential or functional model (any DAG) into pipeline stages.
+
+        The model is read as units in topological order (`tfpipe.graph`): a
+        Sequential's layers, or a functional model's layers and raw ops
+        (`model.operations` without inputs; nested models inlined). Stage k
+        takes the next `balance[k]` units; tensors needed by later stages
+        (skip connections) are passed through the stages in between. Stage 0
+        takes the model's inputs, the last stage returns its outputs.
 
         Args:
-          model: a `keras.Sequential`, or functional model whose layers form a
-            chain. Its layers are cloned, built on the stage devices, and given
-            the model's current weights; `model` itself is left unchanged.
-          balance: layer counts per stage, e.g. `[3, 2, 2, 1]`; None balances by
-            parameter count over all of the strategy's devices.
+          model: a `keras.Sequential` or functional `keras.Model`. Its layers
+            are cloned, built on the stage devices, and given the model's
+            current weights; `model` itself is left unchanged. A layer called
+            at several nodes (shared) raises ValueError.
+          balance: unit counts per stage, e.g. `[3, 2, 2, 1]`; None or
+            `"params"` balances parameter counts, `"time"` measured forward +
+            backward time, `"memory"` measured activation + parameter bytes
+            (see `tfpipe.partition`), over the strategy's `num_stages`.
+          batch_norm: `"deferred"` (default) turns each
+            `keras.layers.BatchNormalization` into
+            `tfpipe.batchnorm.DeferredBatchNormalization`: micro-batches are
+            normalised with their own statistics either way, but the moving
+            mean and variance are updated once per step with the statistics of
+            the whole mini-batch, as unpipelined training does, instead of M
+            times with micro-batch statistics (`"plain"`). Deferred is the
+            default because it keeps the moving statistics, and so
+            evaluation and inference, closest to unpipelined training; for
+            M = 1 both are plain Keras.
+          sample: a batch of inputs for `balance="time"` or `"memory"`;
+            default a random batch of 8 rows shaped like the model's inputs.
           **kwargs: passed to `PipelinedModel`.
+
+        The result has `.balance` (the counts) and `.balance_method`
+        (`"params"`, `"time"`, `"memory"` or `"explicit"`); `summary()` shows
+        them.
         """
-        layers = partition.chain_layers(model)
+        from tfpipe import batchnorm  # pylint: disable=import-outside-toplevel
+        from tfpipe import graph as graph_lib  # pylint: disable=import-outside-toplevel
+
+        batchnorm.validate_mode(batch_norm)
+        graph = graph_lib.model_graph(model)
         strategy = strategy_lib.current_pipeline_strategy() or strategy_lib.PipelineStrategy()
-        if balance is None:
-            balance = partition.balance_by_params(layers, min(strategy.num_stages, len(layers)))
-        balance = partition.validate_balance(balance, len(layers), strategy.num_stages)
-        clones, stages, start = [], [], 0
-        for k, size in enumerate(balance):
-            group = [layer.__class__.from_config(layer.get_config()) for layer in layers[start:start + size]]
-            clones.extend(group)
-            stages.append(keras.Sequential(group, name=f"stage_{k}"))
-            start += size
-        if "input_shape" not in kwargs and model.inputs:
-            kwargs["input_shape"] = tuple(model.inputs[0].shape)
-            kwargs.setdefault("input_dtype", model.inputs[0].dtype)
+        balance, method = partition.choose_balance(graph, balance, strategy.num_stages, sample)
+        stages, pairs = graph_lib.make_stages(
+            graph, balance, lambda op: batchnorm.clone(op, batch_norm))
+        if "input_shape" not in kwargs and graph.input_shape is not None:
+            kwargs["input_shape"] = graph.input_shape
+            kwargs.setdefault("input_dtype", graph.input_dtype)
         kwargs.setdefault("name", f"pipelined_{model.name}")
         with strategy.scope() if strategy_lib.current_pipeline_strategy() is None else contextlib.nullcontext():
             pipelined = cls(stages, **kwargs)
@@ -196,9 +225,10 @@ class PipelinedModel(keras.Model):
                 f"from_model could not infer the input shape of {model.name!r}; "
                 f"pass input_shape=(None, ...)."
             )
-        for old, new in zip(layers, clones):
-            new.set_weights(old.get_weights())
+        graph_lib.copy_weights(pairs)
+        batchnorm.set_num_microbatches(pipelined.stages, pipelined.num_microbatches)
         pipelined.balance = balance
+        pipelined.balance_method = method
         return pipelined
 
     def build(self, input_shape):
@@ -349,36 +379,68 @@ class PipelinedModel(keras.Model):
             return tf.zeros(())
         return self._compile_loss(y, y_pred, sample_weight)
 
-    def _scatter(self, data):
+    def _scatter(self, data, stacked=None):
+        """A `_Step`; micro-batches stacked (loop form) or a list (unrolled)."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         scatter = microbatch.Scatter(x, self.num_microbatches)
-        padded_weight = sample_weight
-        if scatter.needs_padding and sample_weight is None:
-            padded_weight = tf.ones([microbatch.batch_size(x)])
-        coefficient = (
-            tf.constant(1.0) if self._loss_is_sum
-            else scatter.padded_size / (self.num_microbatches * scatter.real_size)
-        )
-        return _Step(x, y, sample_weight, scatter, scatter.split(x), scatter.split(y),
-                     scatter.split(padded_weight), coefficient)
+        stacked = self.execution == "loop" if stacked is None else stacked
+        cut = scatter.stack if stacked else scatter.split
+        return _Step(x, y, sample_weight, scatter, cut(x), cut(y), cut(sample_weight))
+
+    def _merge(self, scatter, y_preds):
+        """The real rows of the last stage's outputs (list of M, or stacked)."""
+        with tf.device(self.stage_devices[-1]):
+            if self.execution == "loop":
+                return scatter.unstack(y_preds)
+            return scatter.merge(y_preds)
 
     def _update_metrics(self, step, y_preds, loss):
         # Once, on the gathered real rows: identical to a full-batch update for
         # every metric (AUC and unweighted metrics included, which per-micro-
         # batch updates with zero-weight padding would get wrong).
         self._loss_tracker.update_state(loss, sample_weight=step.scatter.real_size)
-        with tf.device(self.stage_devices[-1]):
-            y_pred = step.scatter.merge(y_preds)
+        y_pred = self._merge(step.scatter, y_preds)
         return self.compute_metrics(step.x, step.y, y_pred, sample_weight=step.sample_weight)
+
+    def _loss_fn(self, step):
+        """`loss_fn(m, y_pred_m)`: micro-batch m's share of the full-batch data loss.
+
+        With reduction "sum_over_batch_size" the compiled loss is a mean, so
+        micro-batch m, with r_m real rows of N, is weighted r_m / N; with
+        "sum" it is weighted 1. Padded rows (a ragged batch) are sliced off
+        before the loss, so they count nowhere, whatever the loss's shape.
+        """
+        scatter = step.scatter
+
+        def loss_fn(m, y_pred):
+            x, y, sw = step.micro(m)
+            if not scatter.needs_padding:
+                loss = self.compute_microbatch_loss(x, y, y_pred, sw)
+                weight = 1.0 if self._loss_is_sum else 1.0 / self.num_microbatches
+                return weight * tf.cast(loss, tf.float32)
+            rows = scatter.real_rows(m)
+            # At least one row, so an all-padding micro-batch gives a finite
+            # loss; its weight is 0.
+            keep = tf.maximum(rows, 1)
+            cut = lambda s: None if s is None else tf.nest.map_structure(  # noqa: E731
+                lambda t: t[:keep], s)
+            loss = tf.cast(self.compute_microbatch_loss(cut(x), cut(y), cut(y_pred), cut(sw)),
+                           tf.float32)
+            if self._loss_is_sum:
+                return tf.where(rows > 0, loss, 0.0)
+            return tf.cast(rows, tf.float32) / scatter.real_size * loss
+
+        return loss_fn
 
     def train_step(self, data):
         step = self._scatter(data)
-
-        def loss_fn(m, y_pred):
-            return self.compute_microbatch_loss(step.xs[m], step.ys[m], y_pred, step.sws[m])
-
         scale = self.optimizer.scale_loss if self.optimizer is not None else None
-        y_preds, loss, grads = self.pipeline.train(step.xs, loss_fn, step.coefficient, scale)
+        if self.execution == "loop":
+            y_preds, loss, grads = self.pipeline.train(
+                step.xs, self.num_microbatches, self._loss_fn(step), 1.0, scale)
+        else:
+            y_preds, loss, grads = self.pipeline.train(
+                step.xs, self._loss_fn(step), 1.0, scale)
         pairs = [
             (g, v)
             for stage, stage_grads in zip(self.stages, grads)
@@ -390,37 +452,57 @@ class PipelinedModel(keras.Model):
 
     def test_step(self, data):
         step = self._scatter(data)
-        y_preds, extras = self.pipeline.forward(step.xs, training=False)
-        terms = [e / self.num_microbatches for e in extras if e is not None]
+        loss_fn = self._loss_fn(step)
+        if self.execution == "loop":
+            y_preds, extra = self.pipeline.forward(step.xs, self.num_microbatches)
+            terms = [extra]
+            pick = lambda m: tf.nest.map_structure(lambda t: t[m], y_preds)  # noqa: E731
+        else:
+            y_preds, extras = self.pipeline.forward(step.xs, training=False)
+            terms = [e / self.num_microbatches for e in extras if e is not None]
+            pick = lambda m: y_preds[m]  # noqa: E731
         with tf.device(self.stage_devices[-1]):
             for m in range(self.num_microbatches):
-                data_loss = self.compute_microbatch_loss(step.xs[m], step.ys[m], y_preds[m],
-                                                         step.sws[m])
-                terms.append(step.coefficient * tf.cast(data_loss, tf.float32))
+                terms.append(loss_fn(m, pick(m)))
         return self._update_metrics(step, y_preds, tf.add_n(terms))
 
     def predict_step(self, data):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         scatter = microbatch.Scatter(x, self.num_microbatches)
-        y_preds, _ = self.pipeline.forward(scatter.split(x), training=False)
-        return scatter.merge(y_preds)
+        if self.execution == "loop":
+            y_preds, _ = self.pipeline.forward(scatter.stack(x), self.num_microbatches)
+        else:
+            y_preds, _ = self.pipeline.forward(scatter.split(x), training=False)
+        return self._merge(scatter, y_preds)
 
     # -- description and serialisation ----------------------------------
 
     def pipeline_summary(self):
         """A text table of stages: device, layer count, parameter count."""
         k = len(self.stages)
+        sim = schedules.simulate(self.schedule, self.num_microbatches,
+                                 len(self.pipeline_devices))
         lines = [
-            f"Pipeline: {k} stage(s) x {self.num_microbatches} micro-batch(es), "
-            f"schedule={self.schedule.name}, recompute={self.recompute}, "
-            f"bubble={schedules.bubble_fraction(self.num_microbatches, k):.1%}",
+            f"Pipeline: {k} stage(s) on {len(self.pipeline_devices)} device(s) x "
+            f"{self.num_microbatches} micro-batch(es), schedule={self.schedule.name}, "
+            f"recompute={self.recompute}, simulated bubble={sim.bubble_fraction:.1%}, "
+            f"peak live activations per device={sim.peak_activations}",
             f"{'stage':<7}{'name':<24}{'device':<46}{'layers':>7}{'params':>12}",
         ]
         for i, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
             n_layers = len(stage.layers) if hasattr(stage, "layers") else 1
             params = stage.count_params() if stage.built else 0
             lines.append(f"{i:<7}{stage.name:<24}{device:<46}{n_layers:>7}{params:>12,}")
+        lines.extend(self._balance_lines())
         return "\n".join(lines)
+
+    def _balance_lines(self):
+        """How `from_model` balanced the stages (nothing for hand-made stages)."""
+        balance = getattr(self, "balance", None)
+        if balance is None:
+            return []
+        return [f"Balance (from_model, by {getattr(self, 'balance_method', 'explicit')}): "
+                f"{list(balance)} units per stage"]
 
     def summary(self, *args, print_fn=None, **kwargs):
         """Keras' summary, then the stage table (`pipeline_summary`)."""
@@ -433,6 +515,7 @@ class PipelinedModel(keras.Model):
             "stages": [keras.saving.serialize_keras_object(s) for s in self.stages],
             "num_microbatches": self._num_microbatches_arg,
             "recompute": self._recompute_arg,
+            "execution": self._execution_arg,
             "input_dtype": self._input_dtype,
         }
 
@@ -456,10 +539,14 @@ class PipelinedModel(keras.Model):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        devices = (strategy_lib.current_pipeline_strategy()
-                   or strategy_lib.PipelineStrategy()).devices
+        strategy = strategy_lib.current_pipeline_strategy() or strategy_lib.PipelineStrategy()
+        stage_configs = config.pop("stages")
+        try:
+            devices = strategy.pipeline_devices(len(stage_configs))[1]
+        except ValueError:
+            devices = ()  # __init__ below raises the same error, with context
         stages = []
-        for k, stage_config in enumerate(config.pop("stages")):
+        for k, stage_config in enumerate(stage_configs):
             # A deserialised Sequential builds itself: do it on its device.
             with tf.device(devices[k]) if k < len(devices) else contextlib.nullcontext():
                 stages.append(keras.saving.deserialize_keras_object(
@@ -468,9 +555,25 @@ class PipelinedModel(keras.Model):
 
 
 class _Step:
-    """One batch and its micro-batches: xs, ys, sws are lists of M."""
+    """One batch and its micro-batches.
 
-    def __init__(self, x, y, sample_weight, scatter, xs, ys, sws, coefficient):
+    xs, ys, sws: lists of M structures (unrolled) or structures of (M, b, ...)
+    tensors (loop form); `micro(m)` picks micro-batch m either way (m a Python
+    int or a scalar int32 tensor).
+    """
+
+    def __init__(self, x, y, sample_weight, scatter, xs, ys, sws):
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.scatter, self.xs, self.ys, self.sws = scatter, xs, ys, sws
-        self.coefficient = coefficient
+
+    def micro(self, m):
+        """(x, y, sample_weight) of micro-batch m."""
+        if isinstance(self.xs, list):
+            return self.xs[m], self.ys[m], self.sws[m]
+
+        def pick(structure):
+            if structure is None:
+                return None
+            return tf.nest.map_structure(lambda t: tf.gather(t, m), structure)
+
+        return pick(self.xs), pick(self.ys), pick(self.sws)

@@ -1,51 +1,37 @@
-"""Which layers go to which stage: cutting a layer chain into K groups."""
+"""Which units go to which stage: balancing K contiguous groups.
+
+A model is a list of units in topological order (`tfpipe.graph`: its layers
+for a Sequential, its layers and raw ops for a functional model). A balance
+is a list of K unit counts, stage k taking the next `balance[k]` units. This
+module finds one that minimises the largest stage's cost, with a cost per
+unit from one of:
+
+* `balance_by_params`: parameter count (+1, so parameter-free units spread);
+* `balance_by_time`: measured forward + backward seconds on a sample batch;
+* `balance_by_memory`: measured activation bytes (what a stage keeps for its
+  backward) plus parameter bytes, on a sample batch.
+
+The costs are those torchgpipe's `balance_by_time` / `balance_by_size`
+measure; the split is the exact optimum of the contiguous min-max problem (a
+dynamic programme, `split_by_costs`). Measurements run the model's own layers
+eagerly on the default device, in training mode; every variable they touch
+(BatchNorm statistics, seeds) is restored afterwards.
+"""
+
+import time
 
 import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpipe import graph as graph_lib
+
+BALANCE_METHODS = ("params", "time", "memory")
+DEFAULT_SAMPLE_BATCH = 8
 
 
-def chain_layers(model):
-    """The layers of a Sequential model, or of a functional chain, in order.
-
-    Raises:
-      ValueError: the model is not a chain (branches, skip connections, several
-        inputs or outputs, raw ops between layers, shared layers).
-    """
-    if isinstance(model, keras.Sequential):
-        return list(model.layers)
-    if not isinstance(model, keras.Model) or not hasattr(model, "operations"):
-        raise ValueError(
-            f"from_model needs a keras.Sequential or functional keras.Model, "
-            f"got {type(model).__name__}."
-        )
-    if len(model.inputs) != 1 or len(model.outputs) != 1:
-        raise ValueError(
-            f"from_model cuts chains of layers; model {model.name!r} has "
-            f"{len(model.inputs)} inputs and {len(model.outputs)} outputs. "
-            f"Pass the stages explicitly with PipelinedModel(stages=[...])."
-        )
-    ops = [op for op in model.operations if not isinstance(op, keras.layers.InputLayer)]
-    previous = model.inputs[0]
-    for op in ops:
-        if not isinstance(op, keras.layers.Layer):
-            raise ValueError(
-                f"from_model found the raw op {op.name!r} in {model.name!r}; "
-                f"wrap it in a keras layer (e.g. keras.layers.Lambda) to cut the model."
-            )
-        nodes = [n for n in op._inbound_nodes]  # pylint: disable=protected-access
-        inputs = nodes[0].input_tensors if len(nodes) == 1 else None
-        if inputs is None or len(inputs) != 1 or inputs[0] is not previous:
-            raise ValueError(
-                f"from_model needs a chain: layer {op.name!r} of {model.name!r} does "
-                f"not take exactly the previous layer's output (shared layer, "
-                f"branch or skip connection). Pass the stages explicitly with "
-                f"PipelinedModel(stages=[...])."
-            )
-        previous = nodes[0].output_tensors[0]
-    return ops
-
-
-def validate_balance(balance, num_layers, num_devices):
-    """Checks a list of per-stage layer counts; returns it as a list of ints."""
+def validate_balance(balance, num_layers, num_devices, unit_name="layers"):
+    """Checks a list of per-stage unit counts; returns it as a list of ints."""
     if isinstance(balance, int) or not hasattr(balance, "__iter__"):
         raise ValueError(f"balance must be a list of layer counts per stage, got {balance!r}.")
     balance = list(balance)
@@ -60,7 +46,7 @@ def validate_balance(balance, num_layers, num_devices):
     if sum(balance) != num_layers:
         raise ValueError(
             f"balance {balance} sums to {sum(balance)} but the model has "
-            f"{num_layers} layers; the counts must add up to {num_layers}."
+            f"{num_layers} {unit_name}; the counts must add up to {num_layers}."
         )
     if len(balance) > num_devices:
         raise ValueError(
@@ -70,37 +56,34 @@ def validate_balance(balance, num_layers, num_devices):
     return balance
 
 
-def balance_by_params(layers, num_stages):
-    """Layer counts per stage minimising the largest stage's parameter count.
+def split_by_costs(costs, num_stages):
+    """Unit counts per stage minimising the largest stage's summed cost.
 
-    Each layer costs its parameter count plus one (so parameter-free layers
-    still spread out). Exact dynamic programme over contiguous cuts.
+    Exact dynamic programme over contiguous cuts; every stage non-empty.
 
-    >>> import keras
-    >>> layers = [keras.layers.Dense(4) for _ in range(4)]
-    >>> for layer in layers: layer.build((None, 4))
-    >>> balance_by_params(layers, 2)
-    [2, 2]
+    >>> split_by_costs([4, 1, 1, 1, 1, 4], 3)
+    [1, 4, 1]
     """
-    costs = [layer.count_params() + 1 if layer.built else 1 for layer in layers]
+    costs = [float(c) for c in costs]
     n = len(costs)
-    if not 1 <= num_stages <= n:
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= n:
         raise ValueError(
             f"Cannot cut {n} layers into {num_stages} non-empty stages; "
             f"use between 1 and {n} stages."
         )
-    prefix = [0]
+    prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
     inf = float("inf")
-    # best[k][i]: minimal max-stage cost for the first i layers in k stages.
+    # best[k][i]: minimal max-stage cost for the first i units in k stages.
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0
+    best[0][0] = 0.0
     for k in range(1, num_stages + 1):
-        for i in range(k, n + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            row = best[k - 1]
             for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                value = max(row[j], prefix[i] - prefix[j])
                 if value < best[k][i]:
                     best[k][i], cut[k][i] = value, j
     sizes, i = [], n
@@ -109,3 +92,211 @@ def balance_by_params(layers, num_stages):
         sizes.append(i - j)
         i = j
     return sizes[::-1]
+
+
+def _units(layers_or_model):
+    if isinstance(layers_or_model, (keras.Model, graph_lib.Graph)):
+        return [u.op for u in graph_lib.as_graph(layers_or_model).units]
+    return list(layers_or_model)
+
+
+def param_costs(layers_or_model):
+    """Per-unit cost used by `balance_by_params`: parameters + 1."""
+    costs = []
+    for op in _units(layers_or_model):
+        built = getattr(op, "built", False) and hasattr(op, "count_params")
+        costs.append(op.count_params() + 1 if built else 1)
+    return costs
+
+
+def balance_by_params(layers, num_stages):
+    """Unit counts per stage minimising the largest stage's parameter count.
+
+    Args:
+      layers: a list of layers (and raw ops), or a Keras model (its units,
+        as `tfpipe.graph.model_graph` reads them).
+      num_stages: K.
+
+    Each unit costs its parameter count plus one (so parameter-free layers
+    still spread out). Exact dynamic programme over contiguous cuts.
+
+    >>> import keras
+    >>> layers = [keras.layers.Dense(4) for _ in range(4)]
+    >>> for layer in layers: layer.build((None, 4))
+    >>> balance_by_params(layers, 2)
+    [2, 2]
+    """
+    return split_by_costs(param_costs(layers), num_stages)
+
+
+def sample_batch(model_or_graph, batch_size=DEFAULT_SAMPLE_BATCH, seed=0):
+    """A random batch shaped like the model's inputs (floats ~ N(0, 1), ints 0).
+
+    Used by `from_model(balance="time" | "memory")` when no `sample=` is given.
+    """
+    graph = graph_lib.as_graph(model_or_graph)
+    rng = np.random.default_rng(seed)
+
+    def make(ref):
+        shape, dtype = graph.specs[ref.id]
+        if shape is None or any(d is None for d in shape[1:]):
+            raise ValueError(
+                f"Cannot make a sample batch for {graph.model.name!r}: input shape "
+                f"{shape} is not fully known. Pass sample=<a batch of inputs>."
+            )
+        shape = (batch_size,) + tuple(shape[1:])
+        if "float" in dtype:
+            return tf.constant(rng.normal(size=shape).astype(dtype))
+        return tf.zeros(shape, dtype)
+
+    return graph_lib.map_template(make, graph.inputs)
+
+
+def _walk(graph, sample):
+    """(unit, op inputs env) pairs on `sample`, running the model's own layers."""
+    template = graph.inputs
+    if isinstance(template, list) and len(template) == 1 and not isinstance(sample, (list, tuple)):
+        sample = [sample]
+    flat = graph_lib.flatten_like(template, sample, f"sample for {graph.model.name!r}")
+    ids = graph_lib.refs(template)
+    env = {}
+    for i, x in zip(ids, flat):
+        dtype = graph.specs[i][1] or "float32"
+        env[i] = tf.cast(tf.convert_to_tensor(x), dtype)
+    return env
+
+
+class _Restore:
+    """Puts every variable of `model` back as it was (BN statistics, seeds)."""
+
+    def __init__(self, model):
+        self.variables = list(model.variables)
+
+    def __enter__(self):
+        self.saved = [v.numpy() for v in self.variables]
+        return self
+
+    def __exit__(self, *exc):
+        for var, value in zip(self.variables, self.saved):
+            var.assign(value)
+
+
+def _float(tensors):
+    return [t for t in tensors if t.dtype.is_floating]
+
+
+def time_costs(model, sample, repeats=3):
+    """Seconds of forward + backward of each unit on `sample` (best of `repeats`).
+
+    `model` may also be a `tfpipe.graph.Graph` read from it.
+    """
+    graph = graph_lib.as_graph(model)
+    model = graph.model
+    env = _walk(graph, sample)
+    costs = []
+    with _Restore(model):
+        for unit in graph.units:
+            inputs = [env[i] for i in unit.inputs]
+            weights = list(getattr(unit.op, "trainable_variables", []))
+            best = float("inf")
+            for attempt in range(repeats + 1):
+                start = time.perf_counter()
+                with tf.GradientTape() as tape:
+                    tape.watch(_float(inputs))
+                    out = graph_lib.call_unit(unit.op, unit.args, unit.kwargs, env, True)
+                outs = _float(tf.nest.flatten(out))
+                if outs and (_float(inputs) or weights):
+                    grads = tape.gradient(outs, _float(inputs) + weights,
+                                          output_gradients=[tf.ones_like(o) for o in outs])
+                    done = [g for g in grads if g is not None]
+                    if done:
+                        tf.reduce_sum(tf.convert_to_tensor(done[0])).numpy()  # wait for it
+                elif outs:
+                    tf.reduce_sum(outs[0]).numpy()
+                if attempt:  # the first run includes one-off kernel setup
+                    best = min(best, time.perf_counter() - start)
+            env.update(zip(unit.outputs, tf.nest.flatten(out)))
+            costs.append(best)
+    return costs
+
+
+def memory_costs(model, sample):
+    """Bytes per unit on `sample`: its outputs (activations) plus its parameters.
+
+    `model` may also be a `tfpipe.graph.Graph` read from it.
+    """
+    graph = graph_lib.as_graph(model)
+    model = graph.model
+    env = _walk(graph, sample)
+    costs = []
+    with _Restore(model):
+        for unit in graph.units:
+            out = graph_lib.call_unit(unit.op, unit.args, unit.kwargs, env, True)
+            flat = tf.nest.flatten(out)
+            env.update(zip(unit.outputs, flat))
+            activations = sum(int(np.prod(t.shape)) * t.dtype.size for t in flat)
+            params = sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size
+                         for w in getattr(unit.op, "weights", []))
+            costs.append(activations + params)
+    return costs
+
+
+def balance_by_time(model, sample, num_stages, repeats=3):
+    """Unit counts per stage minimising the slowest stage's forward + backward time.
+
+    Each unit of `model` is run eagerly on the activations `sample` produces,
+    in training mode, forward then backward, `repeats` times after one warm-up
+    (the fastest run counts). Timing is noisy: two calls may disagree on
+    near-ties. `model` is left as it was.
+
+    >>> import keras, numpy as np
+    >>> model = keras.Sequential([keras.Input((16,))] +
+    ...                          [keras.layers.Dense(16) for _ in range(4)])
+    >>> balance_by_time(model, np.ones((8, 16), "float32"), 2)   # doctest: +SKIP
+    [2, 2]
+    """
+    return split_by_costs(time_costs(model, sample, repeats), num_stages)
+
+
+def balance_by_memory(model, sample, num_stages):
+    """Unit counts per stage minimising the largest stage's activation + parameter bytes.
+
+    Activation bytes are the sizes of each unit's outputs on `sample` (what a
+    stage keeps for its backward pass without recompute); parameter bytes are
+    its weights' sizes. `model` is left as it was.
+
+    >>> import keras, numpy as np
+    >>> model = keras.Sequential([keras.Input((16,))] +
+    ...                          [keras.layers.Dense(16) for _ in range(4)])
+    >>> balance_by_memory(model, np.ones((8, 16), "float32"), 2)
+    [2, 2]
+    """
+    return split_by_costs(memory_costs(model, sample), num_stages)
+
+
+def choose_balance(model, balance, num_stages, sample=None):
+    """Resolves `from_model`'s `balance` argument to (counts, method name).
+
+    `balance` is a list of counts (validated: at most `num_stages` stages),
+    None or "params" (parameters), "time" or "memory" (measured on `sample`,
+    default a random batch of `DEFAULT_SAMPLE_BATCH` rows); the automatic
+    methods use min(num_stages, number of units) stages. `model` may be a
+    `tfpipe.graph.Graph`.
+    """
+    graph = graph_lib.as_graph(model)
+    n = len(graph.units)
+    k = min(num_stages, n)
+    if balance is None or (isinstance(balance, str) and balance == "params"):
+        counts, method = split_by_costs(param_costs(graph), k), "params"
+    elif isinstance(balance, str) and balance in ("time", "memory"):
+        sample = sample_batch(graph) if sample is None else sample
+        costs = time_costs(graph, sample) if balance == "time" else memory_costs(graph, sample)
+        counts, method = split_by_costs(costs, k), balance
+    elif isinstance(balance, str):
+        raise ValueError(
+            f"Unknown balance {balance!r}. Use a list of counts per stage, or one of "
+            f"{list(BALANCE_METHODS)}."
+        )
+    else:
+        counts, method = balance, "explicit"
+    return validate_balance(counts, n, num_stages, graph.unit_name), method

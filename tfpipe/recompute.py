@@ -32,6 +32,34 @@ def validate(mode):
     return mode
 
 
+EXECUTIONS = ("unrolled", "loop")
+
+
+def resolve(mode, execution):
+    """The recompute mode to use: `mode`, or the default for `execution`.
+
+    The unrolled step defaults to "except_last"; the loop form keeps only
+    stage inputs, so it is always "always" (and rejects other modes).
+    """
+    if execution not in EXECUTIONS:
+        raise ValueError(
+            f"Unknown execution {execution!r}. Use 'unrolled' (every action traced; "
+            f"all recompute modes) or 'loop' (a tf.while_loop over clock ticks; graph "
+            f"size independent of num_microbatches; recompute='always')."
+        )
+    if mode is None:
+        return "always" if execution == "loop" else "except_last"
+    mode = validate(mode)
+    if execution == "loop" and mode != "always":
+        raise ValueError(
+            f"execution='loop' keeps only stage inputs and recomputes every stage in "
+            f"the backward pass, so it needs recompute='always' (got recompute="
+            f"{mode!r}). Use recompute='always' (or leave it unset), or "
+            f"execution='unrolled' for {mode!r}."
+        )
+    return mode
+
+
 def should_recompute(mode, microbatch, num_microbatches):
     """Whether micro-batch `microbatch` (0-based) of M is recomputed."""
     if mode == "always":

@@ -45,10 +45,10 @@ def image_data(n=80, classes=5, seed=0):
 
 
 def pipelined_copy(model, num_microbatches, recompute="except_last", balance=None,
-                   devices=None, **compile_kwargs):
+                   devices=None, schedule="gpipe", **compile_kwargs):
     """A PipelinedModel cut from `model` (weights copied), compiled."""
     strategy = tfpipe.PipelineStrategy(devices=devices, num_microbatches=num_microbatches,
-                                       recompute=recompute)
+                                       recompute=recompute, schedule=schedule)
     with strategy.scope():
         pipelined = tfpipe.PipelinedModel.from_model(model, balance=balance)
         pipelined.compile(**compile_kwargs)

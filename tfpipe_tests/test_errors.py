@@ -44,7 +44,7 @@ def test_keras_default_batch_size_checked():
 def test_more_stages_than_devices():
     strategy = tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"])
     with strategy.scope():
-        with pytest.raises(ValueError, match=r"3 stages but the strategy has only 2 devices"):
+        with pytest.raises(ValueError, match=r"3 stages but the strategy has only 2 stage slots on 2 devices"):
             tfpipe.PipelinedModel([keras.layers.Dense(2) for _ in range(3)])
 
 
@@ -79,7 +79,7 @@ def test_balance_with_more_stages_than_devices():
 
 
 def test_unknown_schedule_and_recompute_names():
-    with pytest.raises(ValueError, match=r"Unknown schedule 'gpipee'.*\['gpipe'\]"):
+    with pytest.raises(ValueError, match=r"Unknown schedule 'gpipee'.*\['gpipe', '1f1b', 'interleaved'\]"):
         tfpipe.PipelineStrategy(schedule="gpipee")
     with pytest.raises(ValueError, match=r"Unknown recompute mode 'sometimes'.*'always'"):
         tfpipe.PipelineStrategy(recompute="sometimes")
@@ -133,14 +133,16 @@ def test_other_strategy_in_scope():
             tfpipe.PipelinedModel([keras.layers.Dense(2)])
 
 
-def test_from_model_rejects_non_chain():
+def test_from_model_rejects_shared_layers_and_non_keras_models():
+    # DAGs (skips, branches) are cut; a layer called twice cannot be.
     inputs = keras.Input((4,))
-    a = keras.layers.Dense(4)(inputs)
-    b = keras.layers.Dense(4)(a)
-    skip = keras.Model(inputs, keras.layers.Add()([a, b]))
+    shared = keras.layers.Dense(4, name="shared")
+    model = keras.Model(inputs, keras.layers.Add()([shared(inputs), shared(inputs)]))
     with tfpipe.PipelineStrategy().scope():
-        with pytest.raises(ValueError, match="needs a chain: layer 'add"):
-            tfpipe.PipelinedModel.from_model(skip, balance=[1, 1, 1])
+        with pytest.raises(ValueError, match="layer 'shared' is called at more than one node"):
+            tfpipe.PipelinedModel.from_model(model, balance=[1, 1, 1])
+        with pytest.raises(ValueError, match="needs a keras.Sequential or functional"):
+            tfpipe.PipelinedModel.from_model(keras.layers.Dense(2))
 
 
 def test_lazy_build_from_generator_explains_fix():

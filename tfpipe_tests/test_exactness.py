@@ -88,3 +88,27 @@ def test_evaluate_and_predict_match_plain_keras():
     got = pipelined.predict(x, batch_size=16, verbose=0)
     assert got.shape == (50, 3)
     np.testing.assert_allclose(got, ref.predict(x, batch_size=16, verbose=0), atol=1e-6)
+
+
+@pytest.mark.parametrize("execution", ["unrolled", "loop"])
+def test_per_token_loss_with_ragged_batches(execution):
+    # Labels with one class per position (as a language model has): the
+    # padded rows of a ragged batch must drop out of a (N, L) loss too.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(22, 5, 3)).astype("float32")
+    y = rng.integers(0, 4, size=(22, 5)).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    ref = helpers.reference([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(4)],
+                            (5, 3))
+    strategy = tfpipe.PipelineStrategy(num_microbatches=4, execution=execution)
+    with strategy.scope():
+        pipelined = tfpipe.PipelinedModel.from_model(ref, balance=[1, 1])
+        pipelined.compile(optimizer="adam", loss=loss, metrics=["accuracy"])
+    ref.compile(optimizer="adam", loss=loss, metrics=["accuracy"])
+    # 22 rows in batches of 8: the last has 6 rows, padded to 8 (2 per micro-batch).
+    h_ref = ref.fit(x, y, batch_size=8, shuffle=False, verbose=0).history
+    h_pipe = pipelined.fit(x, y, batch_size=8, shuffle=False, verbose=0).history
+    assert helpers.max_abs_diff(ref.get_weights(), helpers.stage_weights(pipelined)) < TOL
+    np.testing.assert_allclose(h_pipe["loss"], h_ref["loss"], rtol=1e-5)
+    np.testing.assert_allclose(pipelined.evaluate(x, y, batch_size=8, verbose=0),
+                               ref.evaluate(x, y, batch_size=8, verbose=0), rtol=1e-5)

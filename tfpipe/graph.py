@@ -1,0 +1,596 @@
+"""Cutting a Keras model's graph into K contiguous stages.
+
+A model is read as a list of *units* in topological order: one unit per call
+of a layer or raw op (`x + y` and other `keras.ops` calls appear in
+`model.operations`, not in `model.layers`, and are units too). For a flat
+functional model the units are exactly `model.operations` without the
+`InputLayer`s, in that order; a nested functional model or Sequential is
+inlined (its own units take its place); a `keras.Sequential` is its `layers`.
+`balance=[n0, n1, ...]` gives stage k the next `n_k` units.
+
+Each stage becomes a `GraphStage` layer. Its input is the nest of every tensor
+that crosses into it, its output the nest of every tensor that a later stage
+or the model's output needs: a skip connection from stage 0 to stage 3 is an
+extra output of stage 0 that stages 1 and 2 pass through unchanged (so it
+travels stage to stage, device to device, like the main path). Stage 0 takes
+the model's input structure, the last stage returns the model's output
+structure; between stages a single crossing tensor is passed as a tensor, two
+or more as a list (in the order they were produced).
+
+A layer called at several nodes (a shared layer, or a nested model called
+twice) cannot be cut into copies without untying its weights: `model_graph`
+raises ValueError naming it.
+
+>>> import keras
+>>> inputs = keras.Input((4,))
+>>> h = keras.layers.Dense(4, name="a")(inputs)
+>>> out = keras.layers.Dense(4, name="b")(h) + h          # a skip over "b"
+>>> graph = model_graph(keras.Model(inputs, out))
+>>> [unit.op.name for unit in graph.units]
+['a', 'b', 'add']
+>>> boundaries(graph, [1, 2])                              # what crosses the cut
+[['a']]
+>>> boundaries(graph, [2, 1])
+[['a', 'b']]
+"""
+
+import keras
+import tensorflow as tf
+
+_REF_KEY = "__tfpipe_tensor__"
+
+
+class Ref:
+    """A placeholder for graph tensor number `id` inside a call template."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, tensor_id):
+        self.id = int(tensor_id)
+
+    def __repr__(self):
+        return f"Ref({self.id})"
+
+
+def map_template(fn, template):
+    """Applies `fn` to every leaf of a nest of lists, tuples and dicts."""
+    if isinstance(template, (list, tuple)):
+        return type(template)(map_template(fn, t) for t in template)
+    if isinstance(template, dict):
+        return {k: map_template(fn, v) for k, v in template.items()}
+    return fn(template)
+
+
+def refs(template):
+    found = []
+    map_template(lambda leaf: found.append(leaf.id) if isinstance(leaf, Ref) else None, template)
+    return found
+
+
+def fill(template, env):
+    """`template` with every `Ref(i)` replaced by `env[i]`."""
+    return map_template(lambda leaf: env[leaf.id] if isinstance(leaf, Ref) else leaf, template)
+
+
+def template_to_config(template):
+    """A JSON-friendly copy of a template (`Ref(i)` -> `{"__tfpipe_tensor__": i}`)."""
+    return map_template(lambda leaf: {_REF_KEY: leaf.id} if isinstance(leaf, Ref) else leaf, template)
+
+
+def template_from_config(config):
+    """Inverse of `template_to_config`; also undoes Keras' tuple encoding."""
+    if isinstance(config, dict):
+        if set(config) == {_REF_KEY}:
+            return Ref(config[_REF_KEY])
+        if config.get("class_name") == "__tuple__" and "config" in config:
+            return tuple(template_from_config(v) for v in config["config"]["value"])
+        return {k: template_from_config(v) for k, v in config.items()}
+    if isinstance(config, (list, tuple)):
+        return type(config)(template_from_config(v) for v in config)
+    return config
+
+
+class Unit:
+    """One call of `op`: positional and keyword templates, and output ids."""
+
+    __slots__ = ("op", "args", "kwargs", "outputs")
+
+    def __init__(self, op, args, kwargs, outputs):
+        self.op, self.args, self.kwargs, self.outputs = op, args, kwargs, list(outputs)
+
+    @property
+    def inputs(self):
+        """Ids of the graph tensors this call reads."""
+        return refs((self.args, self.kwargs))
+
+    def __repr__(self):
+        name = getattr(self.op, "name", None)
+        return f"Unit({name!r}, inputs={self.inputs}, outputs={self.outputs})"
+
+
+def call_unit(op, args, kwargs, env, training):
+    """Calls `op` as one unit records, on the tensors in `env`; returns its outputs.
+
+    `training` reaches every layer as a Keras functional model passes it: when
+    not None it replaces the value recorded at that call.
+    """
+    args, kwargs = fill(args, env), fill(kwargs, env)
+    if training is not None and "training" in getattr(op, "_call_context_args", ()):
+        kwargs["training"] = training
+    return op(*args, **kwargs)
+
+
+def run_units(ops, units, env, training):
+    """Runs `units` (with `ops[i]` standing for `units[i].op`) in order."""
+    for op, unit in zip(ops, units):
+        outputs = call_unit(op, unit.args, unit.kwargs, env, training)
+        flat = tf.nest.flatten(outputs)
+        if len(flat) != len(unit.outputs):
+            raise RuntimeError(
+                f"tfpipe graph bug: {op.name!r} returned {len(flat)} tensors, "
+                f"expected {len(unit.outputs)}."
+            )
+        env.update(zip(unit.outputs, flat))
+    return env
+
+
+class Graph:
+    """A model as units in topological order.
+
+    Attributes:
+      units: list of `Unit`.
+      inputs: the model's input structure, with a `Ref` per input tensor.
+      outputs: the model's output structure, with a `Ref` per output tensor.
+      specs: {tensor id: (shape, dtype)} of every graph tensor.
+      names: {tensor id: readable name} ("layer" or "layer:i").
+      sequential: whether the model is a `keras.Sequential` (cut as layers).
+      model: the model read.
+    """
+
+    def __init__(self, model, units, inputs, outputs, specs, names, sequential):
+        self.model, self.units, self.inputs, self.outputs = model, units, inputs, outputs
+        self.specs, self.names, self.sequential = specs, names, sequential
+
+    def __len__(self):
+        return len(self.units)
+
+    @property
+    def input_shape(self):
+        """Shapes of the model's inputs, in its input structure; None if unknown."""
+        shapes = [self.specs[i][0] for i in refs(self.inputs)]
+        if any(shape is None for shape in shapes):
+            return None
+        return map_template(lambda ref: self.specs[ref.id][0], self.inputs)
+
+    @property
+    def input_dtype(self):
+        """Dtype of the model's first input."""
+        return self.specs[refs(self.inputs)[0]][1]
+
+    @property
+    def unit_name(self):
+        """What a balance count counts, for messages."""
+        return "layers" if self.sequential else "operations (layers and ops)"
+
+
+def _is_functional(op):
+    return isinstance(op, keras.Model) and hasattr(op, "operations") and hasattr(op, "outputs")
+
+
+class _Reader:
+    """Walks a (possibly nested) functional model into `Unit`s."""
+
+    def __init__(self, model):
+        self.model = model
+        self.ids = {}        # id(KerasTensor) -> int
+        self.specs, self.names = {}, {}
+        self.units = []
+        self.seen_ops = {}   # id(op) -> name of the model it was found in
+
+    def fresh_id(self, spec, name):
+        i = len(self.specs)
+        self.specs[i] = (tuple(spec.shape), keras.backend.standardize_dtype(spec.dtype))
+        self.names[i] = name
+        return i
+
+    def new_id(self, tensor, name):
+        if id(tensor) not in self.ids:
+            self.ids[id(tensor)] = self.fresh_id(tensor, name)
+        return self.ids[id(tensor)]
+
+    def template(self, structure, where):
+        def leaf(x):
+            if isinstance(x, keras.KerasTensor):
+                if id(x) not in self.ids:
+                    raise ValueError(
+                        f"from_model: {where} uses a tensor that is not computed from "
+                        f"the inputs of {self.model.name!r}; cannot cut this graph."
+                    )
+                return Ref(self.ids[id(x)])
+            return x
+        return map_template(leaf, structure)
+
+    def claim(self, op, container, calls=1):
+        if id(op) in self.seen_ops or calls > 1:
+            where = (f"{calls} times in {container!r}" if calls > 1 else
+                     f"in {self.seen_ops[id(op)]!r} and in {container!r}")
+            raise ValueError(
+                f"from_model cannot cut {self.model.name!r}: layer {op.name!r} is "
+                f"called at more than one node (a shared layer; called {where}). "
+                f"Copies in different stages would no longer share weights. Pass "
+                f"the stages explicitly with PipelinedModel(stages=[...]), keeping "
+                f"the shared layer's calls in one stage."
+            )
+        self.seen_ops[id(op)] = container
+
+    def read_functional(self, fn):
+        """Adds the units of functional `fn`; its inputs must already have ids."""
+        input_ids = {id(t) for t in fn.inputs}
+        nodes = {}   # id(op) -> list of nodes of fn's graph
+        stack, visited = list(fn.outputs), set()
+        while stack:
+            tensor = stack.pop()
+            if id(tensor) in input_ids or id(tensor) in visited:
+                continue
+            visited.add(id(tensor))
+            history = getattr(tensor, "_keras_history", None)
+            if history is None or history.operation is None:
+                raise ValueError(
+                    f"from_model: a tensor of {fn.name!r} has no Keras history; "
+                    f"only functional models built from keras.Input can be cut."
+                )
+            node = history.operation._inbound_nodes[history.node_index]
+            found = nodes.setdefault(id(history.operation), [])
+            if all(n is not node for n in found):
+                found.append(node)
+            stack.extend(node.arguments.keras_tensors)
+        for op in fn.operations:
+            if isinstance(op, keras.layers.InputLayer) or id(op) not in nodes:
+                continue
+            self.claim(op, fn.name, calls=len(nodes[id(op)]))
+            self.read_node(op, nodes[id(op)][0])
+
+    def read_node(self, op, node):
+        args, kwargs = node.arguments.args, dict(node.arguments.kwargs)
+        if _is_functional(op) or isinstance(op, keras.Sequential):
+            self.inline(op, node, args, kwargs)
+            return
+        template = self.template((args, kwargs), f"layer {op.name!r}")
+        outputs = node.outputs
+        names = [op.name] if len(outputs) == 1 else [f"{op.name}:{i}" for i in range(len(outputs))]
+        out_ids = [self.new_id(t, n) for t, n in zip(outputs, names)]
+        self.units.append(Unit(op, template[0], template[1], out_ids))
+
+    def inline(self, sub, node, args, kwargs):
+        inputs = args[0] if args else kwargs.pop("inputs", None)
+        kwargs.pop("training", None)  # replaced by the stage's training flag, as Keras does
+        extra = {k: v for k, v in kwargs.items() if not (k == "mask" and v is None)}
+        if len(args) > 1 or extra:
+            raise ValueError(
+                f"from_model cannot inline the nested model {sub.name!r}: it is "
+                f"called with extra arguments {sorted(extra) or list(args[1:])}. Call it "
+                f"on its inputs only, or pass the stages explicitly."
+            )
+        outer = tf.nest.flatten(inputs)
+        if isinstance(sub, keras.Sequential):
+            layers = [l for l in sub.layers if not isinstance(l, keras.layers.InputLayer)]
+            current = self.template(outer[0], f"nested model {sub.name!r}")
+            for layer in layers:
+                self.claim(layer, sub.name)
+                shape, dtype = self.specs[current.id]
+                out = layer.compute_output_spec(keras.KerasTensor(shape, dtype))
+                new = self.fresh_id(out, layer.name)
+                self.units.append(Unit(layer, (current,), {}, [new]))
+                current = Ref(new)
+            final = [current.id]
+        else:
+            inner = list(sub.inputs)
+            if len(inner) != len(outer):
+                raise ValueError(
+                    f"from_model: nested model {sub.name!r} takes {len(inner)} inputs, "
+                    f"called with {len(outer)}."
+                )
+            for i, o in zip(inner, outer):
+                ref = self.template(o, f"nested model {sub.name!r}")
+                if (len(i.shape) != len(o.shape)
+                        or keras.backend.standardize_dtype(i.dtype)
+                        != keras.backend.standardize_dtype(o.dtype)):
+                    raise ValueError(
+                        f"from_model cannot inline the nested model {sub.name!r}: input "
+                        f"{i.name!r} is {i.dtype}{tuple(i.shape)} but receives "
+                        f"{o.dtype}{tuple(o.shape)}."
+                    )
+                self.ids[id(i)] = ref.id
+            self.read_functional(sub)
+            final = [self.ids[id(t)] for t in sub.outputs]
+        for tensor, tensor_id in zip(node.outputs, final):
+            self.ids[id(tensor)] = tensor_id
+
+
+def as_graph(model_or_graph):
+    """`model_or_graph` if it is a `Graph`, else `model_graph(model_or_graph)`."""
+    if isinstance(model_or_graph, Graph):
+        return model_or_graph
+    return model_graph(model_or_graph)
+
+
+def model_graph(model):
+    """Reads `model` (Sequential or functional) as a `Graph` of units.
+
+    Raises:
+      ValueError: `model` is not a Sequential or functional Keras model, or a
+        layer is called at more than one node (shared layer).
+    """
+    if isinstance(model, keras.Sequential):
+        layers = list(model.layers)
+        specs, names = {}, {}
+        try:
+            inputs = list(model.inputs)
+        except (AttributeError, ValueError):
+            inputs = []
+        spec = ((tuple(inputs[0].shape), keras.backend.standardize_dtype(inputs[0].dtype))
+                if len(inputs) == 1 else (None, "float32"))
+        specs[0], names[0] = spec, "input"
+        units = []
+        for i, layer in enumerate(layers):
+            specs[i + 1], names[i + 1] = (None, None), layer.name
+            units.append(Unit(layer, (Ref(i),), {}, [i + 1]))
+        return Graph(model, units, Ref(0), Ref(len(layers)), specs, names, True)
+    if not _is_functional(model):
+        raise ValueError(
+            f"from_model needs a keras.Sequential or functional keras.Model, "
+            f"got {type(model).__name__}."
+        )
+    reader = _Reader(model)
+    inputs = map_template(lambda t: Ref(reader.new_id(t, t.name)), model.input)
+    reader.read_functional(model)
+    outputs = reader.template(model.output, "outputs")
+    return Graph(model, reader.units, inputs, outputs, reader.specs, reader.names, False)
+
+
+class Piece:
+    """Stage k of a cut: its units, input template and output template."""
+
+    def __init__(self, units, inputs, outputs):
+        self.units, self.inputs, self.outputs = units, inputs, outputs
+
+
+def _crossing(graph, balance):
+    starts = [sum(balance[:k]) for k in range(len(balance))]
+    stage_of = {}
+    for k, (start, size) in enumerate(zip(starts, balance)):
+        for unit in graph.units[start:start + size]:
+            stage_of[id(unit)] = k
+    made = {i: -1 for i in refs(graph.inputs)}
+    last_use = {}
+    for unit in graph.units:
+        k = stage_of[id(unit)]
+        for i in unit.outputs:
+            made[i] = k
+        for i in unit.inputs:
+            last_use[i] = max(last_use.get(i, -1), k)
+    for i in refs(graph.outputs):
+        last_use[i] = len(balance)
+    return [sorted(i for i, k in made.items() if k <= b < last_use.get(i, -1))
+            for b in range(len(balance) - 1)], starts
+
+
+def cut(graph, balance):
+    """Cuts `graph` into `len(balance)` `Piece`s of `balance[k]` units each."""
+    if sum(balance) != len(graph.units):
+        raise ValueError(f"balance {balance} does not add up to {len(graph.units)} units.")
+    crossing, starts = _crossing(graph, balance)
+
+    def as_template(ids):
+        return Ref(ids[0]) if len(ids) == 1 else [Ref(i) for i in ids]
+
+    pieces = []
+    for k, (start, size) in enumerate(zip(starts, balance)):
+        inputs = graph.inputs if k == 0 else as_template(crossing[k - 1])
+        outputs = graph.outputs if k == len(balance) - 1 else as_template(crossing[k])
+        pieces.append(Piece(graph.units[start:start + size], inputs, outputs))
+    return pieces
+
+
+def boundaries(graph, balance):
+    """Names of the tensors crossing each of the K - 1 cuts of `balance`."""
+    crossing, _ = _crossing(graph, list(balance))
+    return [[graph.names[i] for i in ids] for ids in crossing]
+
+
+def clone_op(op):
+    """An unbuilt copy of a layer or raw op, from its config."""
+    return op.__class__.from_config(op.get_config())
+
+
+def make_stages(graph, balance, clone=clone_op):
+    """Unbuilt stage layers for `balance`, and (original, copy) op pairs.
+
+    A Sequential model gives `keras.Sequential` stages; any other a
+    `GraphStage` per stage. `clone(op)` makes each copy.
+    """
+    stages, pairs = [], []
+    for k, piece in enumerate(cut(graph, balance)):
+        ops = [clone(unit.op) for unit in piece.units]
+        pairs.extend((unit.op, op) for unit, op in zip(piece.units, ops))
+        if graph.sequential:
+            stages.append(keras.Sequential(ops, name=f"stage_{k}"))
+            continue
+        specs = {i: graph.specs[i] for i in refs(piece.inputs)}
+        stages.append(GraphStage(ops, piece.units, piece.inputs, piece.outputs, specs,
+                                 name=f"stage_{k}"))
+    return stages, pairs
+
+
+def copy_weights(pairs):
+    """Gives each copy its original's weights (matched by name when the counts differ)."""
+    for old, new in pairs:
+        old_weights = getattr(old, "weights", [])
+        if not old_weights:
+            continue
+        if len(old_weights) == len(new.weights):
+            new.set_weights([w.numpy() for w in old_weights])
+            continue
+        by_name = {w.name: w for w in old_weights}
+        for var in new.weights:
+            if var.name in by_name:
+                var.assign(by_name.pop(var.name))
+        if by_name:
+            raise ValueError(
+                f"Cannot copy weights {sorted(by_name)} of {old.name!r} to its "
+                f"pipeline copy ({type(new).__name__})."
+            )
+
+
+def flatten_like(template, structure, name="this stage"):
+    """The parts of `structure` at the `Ref` leaves of `template`, in order.
+
+    Dicts are matched by key, lists and tuples by position; `name` is used in
+    the error raised when the structures do not match.
+    """
+    if isinstance(template, Ref):
+        return [structure]
+    if isinstance(template, dict) and isinstance(structure, dict) and set(template) <= set(structure):
+        return [x for k in template for x in flatten_like(template[k], structure[k], name)]
+    if (isinstance(template, (list, tuple)) and isinstance(structure, (list, tuple))
+            and len(template) == len(structure)):
+        return [x for t, v in zip(template, structure) for x in flatten_like(t, v, name)]
+    raise ValueError(
+        f"{name} was called with inputs structured as {_describe(structure)} but "
+        f"takes {_describe(template)}."
+    )
+
+
+def _describe(structure):
+    if isinstance(structure, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in structure.items()) + "}"
+    if isinstance(structure, (list, tuple)) and not _is_shape(structure):
+        return "[" + ", ".join(_describe(v) for v in structure) + "]"
+    return "tensor"
+
+
+def _is_shape(value):
+    return isinstance(value, (tuple, list)) and all(d is None or isinstance(d, int) for d in value)
+
+
+@keras.saving.register_keras_serializable(package="tfpipe")
+class GraphStage(keras.layers.Layer):
+    """A contiguous piece of a functional graph, run as one layer.
+
+    Usually made by `PipelinedModel.from_model`; `tfpipe.graph.cut` says what
+    crosses into and out of each piece.
+
+    Args:
+      operations: the layers and raw ops of the piece, one per unit, unbuilt.
+      units: `Unit`s (or their configs) saying how each operation is called;
+        `units[i].op` is ignored in favour of `operations[i]`.
+      inputs: template (nest of `Ref`) matching the structure this stage is
+        called with.
+      outputs: template of what it returns.
+      input_specs: {tensor id: (shape, dtype)} of the inputs, for `build`.
+
+    >>> import keras
+    >>> inputs = keras.Input((4,))
+    >>> out = keras.layers.Dense(4)(inputs) + inputs
+    >>> graph = model_graph(keras.Model(inputs, out))
+    >>> [piece] = cut(graph, [2])
+    >>> stage = GraphStage([clone_op(u.op) for u in piece.units], piece.units,
+    ...                    piece.inputs, piece.outputs,
+    ...                    {0: graph.specs[0]})
+    >>> stage(keras.ops.ones((2, 4))).shape
+    TensorShape([2, 4])
+    """
+
+    def __init__(self, operations, units, inputs, outputs, input_specs, **kwargs):
+        kwargs.setdefault("autocast", False)  # the layers inside cast for themselves
+        super().__init__(**kwargs)
+        # Only the wiring is kept (not the original model's ops): `operations`
+        # are what runs.
+        units = [Unit(None, u.args, u.kwargs, u.outputs) if isinstance(u, Unit) else
+                 Unit(None, template_from_config(u["args"]),
+                      template_from_config(u["kwargs"]), u["outputs"]) for u in units]
+        self._operations = list(operations)
+        # Plain Python objects Keras does not track: how to wire the operations.
+        self._program = _Program(
+            units, template_from_config(inputs), template_from_config(outputs),
+            {int(i): (tuple(s) if s is not None else None, d)
+             for i, (s, d) in dict(input_specs).items()},
+        )
+
+    @property
+    def operations(self):
+        """The layers and raw ops of this stage, in call order."""
+        return list(self._operations)
+
+    @property
+    def layers(self):
+        """The Keras layers of this stage (raw ops excluded)."""
+        return [op for op in self._operations if isinstance(op, keras.layers.Layer)]
+
+    @property
+    def input_ids(self):
+        return refs(self._program.inputs)
+
+    @property
+    def output_ids(self):
+        return refs(self._program.outputs)
+
+    def _flatten(self, structure, leaf_is_shape=False):
+        template = self._program.inputs
+        is_leaf = _is_shape(structure) if leaf_is_shape else not isinstance(
+            structure, (list, tuple, dict))
+        if isinstance(template, list) and len(template) == 1 and is_leaf:
+            structure = [structure]
+        return flatten_like(template, structure, self.name)
+
+    def build(self, input_shape):
+        env = {}
+        for i, shape in zip(self.input_ids, self._flatten(input_shape, leaf_is_shape=True)):
+            env[i] = keras.KerasTensor(tuple(shape), dtype=self._program.specs[i][1])
+        # Calling each layer on symbolic inputs builds it eagerly, here: under
+        # whatever tf.device the caller (PipelinedModel.build) has entered.
+        run_units(self._operations, self._program.units, env, training=False)
+        self.built = True
+
+    def call(self, inputs, training=None):
+        env = {}
+        for i, x in zip(self.input_ids, self._flatten(inputs)):
+            shape, dtype = self._program.specs[i]
+            if keras.backend.standardize_dtype(x.dtype) != dtype:
+                x = keras.ops.cast(x, dtype)  # as a functional model casts its inputs
+            if shape is not None and len(x.shape) == len(shape) + 1 and x.shape[-1] == 1:
+                x = keras.ops.squeeze(x, axis=-1)
+            elif shape is not None and len(x.shape) == len(shape) - 1 and shape[-1] == 1:
+                x = keras.ops.expand_dims(x, axis=-1)
+            env[i] = x
+        run_units(self._operations, self._program.units, env, training)
+        return fill(self._program.outputs, env)
+
+    def get_config(self):
+        program = self._program
+        return {
+            **super().get_config(),
+            "operations": [keras.saving.serialize_keras_object(op) for op in self._operations],
+            "units": [{"args": template_to_config(u.args),
+                       "kwargs": template_to_config(u.kwargs),
+                       "outputs": list(u.outputs)} for u in program.units],
+            "inputs": template_to_config(program.inputs),
+            "outputs": template_to_config(program.outputs),
+            "input_specs": [[i, list(s) if s is not None else None, d]
+                            for i, (s, d) in program.specs.items()],
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        operations = [keras.saving.deserialize_keras_object(c) for c in config.pop("operations")]
+        specs = {int(i): (s, d) for i, s, d in config.pop("input_specs")}
+        return cls(operations, config.pop("units"), config.pop("inputs"),
+                   config.pop("outputs"), specs, **config)
+
+
+class _Program:
+    """How a GraphStage wires its operations (kept out of Keras' tracking)."""
+
+    def __init__(self, units, inputs, outputs, specs):
+        self.units, self.inputs, self.outputs, self.specs = units, inputs, outputs, specs

@@ -1,0 +1,211 @@
+"""Every schedule, unrolled or as a while loop, trains exactly like plain Keras."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpipe
+from tfpipe import schedules
+from tfpipe_tests import helpers
+
+TOL = 1e-5
+
+# (schedule, balance of the 4-layer MLP): GPipe and 1F1B put one stage on each
+# of 4 devices; Interleaved(2) puts 2 stages on each of 2 devices.
+SCHEDULES = {
+    "gpipe": (schedules.GPipe(), [1, 1, 1, 1], None),
+    "1f1b": (schedules.OneFOneB(), [1, 1, 1, 1], None),
+    "interleaved": (schedules.Interleaved(2), [1, 1, 1, 1], ["/CPU:0", "/CPU:1"]),
+}
+RUNS = [("unrolled", "always"), ("unrolled", "except_last"), ("unrolled", "never"),
+        ("loop", "always")]
+
+
+def _pipelined(ref, name, m, execution, recompute, compile_kwargs, balance=None):
+    schedule, default_balance, devices = SCHEDULES[name]
+    strategy = tfpipe.PipelineStrategy(devices=devices, num_microbatches=m,
+                                       schedule=schedule, recompute=recompute,
+                                       execution=execution)
+    with strategy.scope():
+        model = tfpipe.PipelinedModel.from_model(ref, balance=balance or default_balance)
+        model.compile(**compile_kwargs)
+    return model
+
+
+def _fit_both(ref, model, x, y, **fit_kwargs):
+    h_ref = ref.fit(x, y, batch_size=16, shuffle=False, verbose=0, **fit_kwargs)
+    h_pipe = model.fit(x, y, batch_size=16, shuffle=False, verbose=0, **fit_kwargs)
+    return h_ref.history, h_pipe.history
+
+
+@pytest.mark.parametrize("execution, recompute", RUNS)
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_mlp_matches_plain_keras(name, execution, recompute):
+    x, y = helpers.regression_data(n=70)  # 4 full batches of 16 and a ragged 6
+    sw = np.linspace(0.1, 2.0, 70).astype("float32")
+    kwargs = dict(optimizer="adam", loss="mse", weighted_metrics=["mae"])
+    ref = helpers.reference(helpers.mlp_layers(), (8,))
+    model = _pipelined(ref, name, 4, execution, recompute, kwargs)
+    ref.compile(**kwargs)
+    h_ref, h_pipe = _fit_both(ref, model, x, y, sample_weight=sw)
+    assert helpers.max_abs_diff(ref.get_weights(), helpers.stage_weights(model)) < TOL
+    np.testing.assert_allclose(h_pipe["loss"], h_ref["loss"], rtol=1e-5)
+    np.testing.assert_allclose(h_pipe["mae"], h_ref["mae"], rtol=1e-5)
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=16, verbose=0),
+                               ref.evaluate(x, y, batch_size=16, verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(model.predict(x, batch_size=16, verbose=0),
+                               ref.predict(x, batch_size=16, verbose=0), atol=1e-5)
+
+
+@pytest.mark.parametrize("execution, recompute", [("unrolled", "except_last"),
+                                                  ("loop", "always")])
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_cnn_with_regulariser_matches_plain_keras(name, execution, recompute):
+    def layers():
+        return [keras.layers.Conv2D(4, 3, activation="relu", kernel_regularizer="l2"),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Conv2D(6, 2, activation="relu"),
+                keras.layers.Flatten(),
+                keras.layers.Dense(5)]
+    x, y = helpers.image_data(n=64)
+    kwargs = dict(optimizer="adam", metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ref = helpers.reference(layers(), (8, 8, 1))
+    model = _pipelined(ref, name, 8 if name == "interleaved" else 2, execution, recompute,
+                       kwargs, balance=[1, 1, 1, 2])
+    ref.compile(**kwargs)
+    h_ref, h_pipe = _fit_both(ref, model, x, y)
+    assert helpers.max_abs_diff(ref.get_weights(), helpers.stage_weights(model)) < TOL
+    np.testing.assert_allclose(h_pipe["loss"], h_ref["loss"], rtol=1e-5)
+
+
+def _dropout_bn_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dropout(0.5, seed=3),
+        keras.layers.Dense(16),
+        keras.layers.BatchNormalization(momentum=0.5),
+        keras.layers.Dropout(0.3, seed=4),
+        keras.layers.Dense(3),
+    ])
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved"])
+def test_loop_replays_dropout_masks_and_updates_batchnorm_once(name):
+    # "never" keeps the forward's tapes: the reference for what a replay must
+    # reproduce (same dropout masks, BatchNorm statistics updated once).
+    data = helpers.regression_data(n=64)
+    kwargs = dict(optimizer="adam", loss="mse")
+    results = {}
+    for execution, recompute in (("unrolled", "never"), ("loop", "always")):
+        model = _pipelined(_dropout_bn_model(), name, 4, execution, recompute, kwargs,
+                           balance=[2, 2, 1, 1])
+        model.fit(*data, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        results[execution] = helpers.stage_weights(model)
+    assert helpers.max_abs_diff(results["unrolled"], results["loop"]) < 1e-6
+
+
+def _traced_ops(model, batch):
+    """Op count of the traced train step, nested functions (loop bodies) included."""
+    step = tf.function(model.train_step)
+    graph = step.get_concrete_function(
+        (tf.TensorSpec([batch, 8], tf.float32), tf.TensorSpec([batch, 3], tf.float32))).graph
+    seen, count = set(), 0
+    devices = {}
+
+    def visit(g):
+        nonlocal count
+        for op in g.get_operations():
+            count += 1
+            if op.type == "MatMul":
+                devices.setdefault(op.device, 0)
+                devices[op.device] += 1
+        for name, f in g._functions.items():  # pylint: disable=protected-access
+            if name not in seen and hasattr(f, "graph"):
+                seen.add(name)
+                visit(f.graph)
+    visit(graph)
+    return count, devices
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_loop_graph_does_not_grow_with_m_and_stays_on_stage_devices(name):
+    counts = {}
+    for execution, recompute in (("unrolled", "except_last"), ("loop", "always")):
+        for m in (2, 8):
+            ref = helpers.reference(helpers.mlp_layers(), (8,))
+            model = _pipelined(ref, name, m, execution, recompute,
+                               dict(optimizer="sgd", loss="mse"))
+            counts[execution, m], matmuls = _traced_ops(model, 16)
+            used = {tf.DeviceSpec.from_string(d).device_index for d in matmuls}
+            assert "" not in matmuls and used == set(range(len(model.pipeline_devices)))
+    assert counts["loop", 8] == counts["loop", 2]
+    assert counts["unrolled", 8] > 2 * counts["unrolled", 2]
+
+
+def test_interleaved_places_stage_k_on_device_k_mod_d_and_reloads(tmp_path):
+    strategy = tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], num_microbatches=2,
+                                       schedule="interleaved")
+    assert strategy.num_stages == 4
+    with strategy.scope():
+        model = tfpipe.PipelinedModel(helpers.mlp_layers(), input_shape=(None, 8))
+        model.compile(optimizer="adam", loss="mse")
+    model.fit(*helpers.regression_data(n=32), batch_size=16, verbose=0)
+    expected = ["/device:CPU:0", "/device:CPU:1", "/device:CPU:0", "/device:CPU:1"]
+    assert list(model.stage_devices) == expected
+    for stage, device in zip(model.stages, expected):
+        assert tfpipe.placement.misplaced_variables(stage.weights, device) == []
+    assert "schedule=interleaved" in model.pipeline_summary()
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    with strategy.scope():
+        loaded = keras.models.load_model(path)
+    for stage, device in zip(loaded.stages, expected):
+        assert tfpipe.placement.misplaced_variables(stage.weights, device) == []
+    x = helpers.regression_data(n=16)[0]
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("make, num_stages, message", [
+    (lambda: tfpipe.PipelineStrategy(num_microbatches=6, schedule="interleaved"), 8,
+     "multiple of the number of devices \\(4\\); got num_microbatches=6. Use "
+     "num_microbatches=8"),
+    (lambda: tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], num_microbatches=2,
+                                     schedule=schedules.Interleaved(2)), 3,
+     "number of stages must be a multiple of 2; got 3"),
+    (lambda: tfpipe.PipelineStrategy(schedule="interleaved"), 10,
+     "10 stages but the strategy has only 8 stage slots on 4 devices"),
+    (lambda: tfpipe.PipelineStrategy(execution="loop", recompute="never"), 2,
+     "needs recompute='always'"),
+    (lambda: tfpipe.PipelineStrategy(execution="scan"), 2, "Unknown execution 'scan'"),
+    (lambda: tfpipe.PipelineStrategy(schedule=schedules.Table([["F0.0", "B0.0"]]),
+                                     devices=["/CPU:0"], num_microbatches=2), 1,
+     "set num_microbatches=1"),
+])
+def test_schedule_configuration_errors_name_the_fix(make, num_stages, message):
+    with pytest.raises(ValueError, match=message):
+        strategy = make()
+        with strategy.scope():
+            tfpipe.PipelinedModel([keras.layers.Dense(4) for _ in range(num_stages)])
+
+
+def test_user_table_schedule_trains_exactly():
+    # A hand-written schedule for M=2 on 2 devices: both forwards of stage 0,
+    # then stage 1 alternates; stage 0 drains last.
+    table = schedules.Table([["F0.0", "F0.1", "B0.1", "B0.0"],
+                             ["F1.0", "B1.0", "F1.1", "B1.1"]], name="mine")
+    x, y = helpers.regression_data(n=32)
+    ref = helpers.reference(helpers.mlp_layers(), (8,))
+    strategy = tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], num_microbatches=2,
+                                       schedule=table)
+    with strategy.scope():
+        model = tfpipe.PipelinedModel.from_model(ref, balance=[2, 2])
+        model.compile(optimizer="adam", loss="mse")
+    ref.compile(optimizer="adam", loss="mse")
+    _fit_both(ref, model, x, y)
+    assert helpers.max_abs_diff(ref.get_weights(), helpers.stage_weights(model)) < TOL
+    assert "schedule=mine" in model.pipeline_summary()
