@@ -28,6 +28,7 @@ setup(
         "tensorflow-datasets",
         "importlib_resources",  # tensorflow-datasets 4.9.10 imports it without listing it
         "scikit-learn",  # ships the digits data set the default training run uses
+        "matplotlib",  # the loss curve (loss.png) of launch.train
     ],
     extras_require={"test": ["pytest"]},
 )

@@ -501,8 +501,9 @@ class PipelinedModel(keras.Model):
         balance = getattr(self, "balance", None)
         if balance is None:
             return []
-        return [f"Balance (from_model, by {getattr(self, 'balance_method', 'explicit')}): "
-                f"{list(balance)} units per stage"]
+        method = getattr(self, "balance_method", "explicit")
+        how = "as given to from_model" if method == "explicit" else f"from_model, by {method}"
+        return [f"Balance: {list(balance)} units per stage ({how})"]
 
     def summary(self, *args, print_fn=None, **kwargs):
         """Keras' summary, then the stage table (`pipeline_summary`)."""

@@ -169,7 +169,7 @@ def test_balance_by_params_counts_units_of_a_functional_model():
     assert pipelined.balance == partition.split_by_costs(costs, 4)
     assert pipelined.balance_method == "params" and sum(pipelined.balance) == 10
     text = pipelined.pipeline_summary()
-    assert f"Balance (from_model, by params): {pipelined.balance} units per stage" in text
+    assert f"Balance: {pipelined.balance} units per stage (from_model, by params)" in text
 
 
 def test_balance_sum_error_names_operations():
