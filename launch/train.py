@@ -6,6 +6,8 @@ the digits MLP cut into 4 stages on 4 logical CPUs, 4 micro-batches, 3 epochs.
     python -m launch.train --stages=2 --microbatches=8 --epochs=5
     python -m launch.train --model=resnet                 # digits, 8x8 images
     python -m launch.train --model=transformer            # Python's help texts, bytes
+    python -m launch.train --model=unet                   # digit ink masks, skip connections
+    python -m launch.train --schedule=1f1b --execution=loop
     python -m launch.train --dataset=tfds:mnist --data_dir=/data/tfds   # prepared TFDS
     python -m launch.train --checkpoint_every=20 --resume # continue a stopped run
 
@@ -414,9 +416,10 @@ flags.DEFINE_integer("depth", _DEFAULTS.depth,
                      "(transformer); 0: 4. Raised to at least --stages (a block per stage).")
 flags.DEFINE_string(
     "dataset", _DEFAULTS.dataset,
-    f"Data set: auto (the model's default: digits for mlp/resnet, pydoc_topics for "
-    f"transformer), one of {sorted(DATASETS)} (built in, no download: digits is "
-    f"scikit-learn's 8x8 digits; pydoc_topics is the English help text of Python's "
+    f"Data set: auto (the model's default: digits for mlp/resnet, digits_masks for "
+    f"unet, pydoc_topics for transformer), one of {sorted(DATASETS)} (built in, no "
+    f"download: digits is scikit-learn's 8x8 digits; digits_masks the same at 16x16 "
+    f"with per-pixel ink labels; pydoc_topics is the English help text of Python's "
     f"stdlib pydoc_data.topics as bytes), or tfds:NAME for a TensorFlow Datasets data "
     f"set already prepared under --data_dir (image + label, or text; never downloaded).")
 flags.DEFINE_string("data_dir", _DEFAULTS.data_dir,
@@ -448,7 +451,7 @@ flags.DEFINE_integer("steps_per_epoch", _DEFAULTS.steps_per_epoch,
                      "Steps per epoch; 0: one pass over the training data. Batches are "
                      "drawn in seeded passes, so epochs need not align with passes.")
 flags.DEFINE_integer("logical_cpus", _DEFAULTS.logical_cpus,
-                     "Logical CPU devices to split the CPU into (>= --stages).")
+                     "Logical CPU devices to split the CPU into (>= the pipeline's devices: --stages, or --stages / v when interleaved).")
 flags.DEFINE_string("model_dir", _DEFAULTS.model_dir,
                     "Output folder: tensorboard/ (logs), checkpoints/, history.json "
                     "(every step's loss) and loss.png. A run without --resume clears them.")
