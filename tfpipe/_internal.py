@@ -111,3 +111,18 @@ def in_keras_symbolic_build():
     from keras.src.backend.common import stateless_scope  # pylint: disable=import-outside-toplevel
 
     return stateless_scope.in_stateless_scope()
+
+
+def chain_ops(ops_in_order, after=None):
+    """Adds control edges so `ops_in_order` run one after another (after `after`).
+
+    Used to emulate one accelerator stream per device on CPU (benchmarks):
+    graph ops created while tracing one action are in a valid topological
+    order, so chaining them adds no cycle. Returns the last op (or `after`).
+    """
+    previous = after
+    for op in ops_in_order:
+        if previous is not None and previous not in op.control_inputs:
+            op._add_control_input(previous)  # pylint: disable=protected-access
+        previous = op
+    return previous

@@ -15,6 +15,7 @@ micro-batches on the stage's device and returned for one optimizer update.
 
 import tensorflow as tf
 
+from tfpipe import _internal
 from tfpipe import recompute as recompute_lib
 from tfpipe import schedules
 
@@ -71,6 +72,11 @@ class Pipeline:
                              for k in range(len(self.stages))]
         self.recompute = recompute_lib.validate(recompute)
         self.enforce_order = enforce_order
+        # Benchmarks on CPU set this: every op of a device then runs one after
+        # another in trace order, as on an accelerator's stream. Without it a
+        # logical CPU device runs independent ops of one action (a layer's dW
+        # and dx) at once, which a GPU stream would not.
+        self.serialize_ops = False
         self._states = [recompute_lib.StageState(s) for s in self.stages]
         # Counts stage calls made while tracing, per stage; tests read it to
         # check that recompute really re-runs stages.
@@ -182,8 +188,11 @@ class Pipeline:
         last = [None] * len(self.devices)
         grads = [[None] * len(s.trainable_variables) for s in self.stages]
 
+        graph = tf.compat.v1.get_default_graph()
+        last_op = [None] * len(self.devices)
         for d, action in self.run_order(m_count):
             k, m = action.stage, action.microbatch
+            first_op = len(graph.get_operations()) if self.serialize_ops else None
             with tf.device(self.devices[d]):
                 if action.kind == "F":
                     h = self._after_previous(last, d, acts.pop((k, m)))
@@ -232,6 +241,8 @@ class Pipeline:
                     last[d] = end  # the device's next action starts after this stamp
                     timeline.append(dict(device=d, kind=action.kind, stage=k, microbatch=m,
                                          start=start, end=end))
+            if self.serialize_ops:
+                last_op[d] = _internal.chain_ops(graph.get_operations()[first_op:], last_op[d])
         return outputs, tf.add_n(loss_terms), grads
 
     def _backward(self, k, m, record, g_out, grads, out_grads, scale_loss, inv_m):
@@ -262,13 +273,18 @@ class Pipeline:
                 tf.zeros_like(s) if g is None else tf.convert_to_tensor(g)
                 for s, g in zip(sources, input_grads)
             ]
-            if sources:
-                return out_grads[(k - 1, m)][0]
-        done = [g for g in all_grads if g is not None]
-        if not done:
+        # The token the device's next action waits for: it exists only once
+        # everything this action produced does (input gradients and the summed
+        # weight gradients). Ordering on the input gradient alone let TF run
+        # the weight-gradient ops late, keeping every micro-batch's tensors
+        # alive and undoing the memory recompute saves.
+        produced = list(out_grads.get((k - 1, m), [])) + [
+            t for g in grads[k] if g is not None
+            for t in ((g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
+        if not produced:
             return None
-        first = done[0]
-        return first.values if isinstance(first, tf.IndexedSlices) else first
+        with tf.control_dependencies(produced):
+            return tf.identity(produced[0])
 
     def _replay(self, k, h, seeds, g_out, scale_loss, inv_m):
         """Recomputes stage k under a tape, after its output gradient exists."""

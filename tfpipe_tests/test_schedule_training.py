@@ -209,3 +209,28 @@ def test_user_table_schedule_trains_exactly():
     _fit_both(ref, model, x, y)
     assert helpers.max_abs_diff(ref.get_weights(), helpers.stage_weights(model)) < TOL
     assert "schedule=mine" in model.pipeline_summary()
+
+
+def test_serialized_device_ops_train_exactly_and_are_chained():
+    # Benchmarks chain every op of a device (one accelerator stream per
+    # device); the numbers must not change.
+    x, y = helpers.regression_data(n=32)
+    ref = helpers.reference(helpers.mlp_layers(), (8,))
+    model = _pipelined(ref, "1f1b", 4, "unrolled", "except_last",
+                       dict(optimizer="adam", loss="mse"))
+    model.pipeline.serialize_ops = True
+    ref.compile(optimizer="adam", loss="mse")
+    _fit_both(ref, model, x, y)
+    assert helpers.max_abs_diff(ref.get_weights(), helpers.stage_weights(model)) < TOL
+    graph = tf.function(model.train_step).get_concrete_function(
+        (tf.TensorSpec([16, 8], tf.float32), tf.TensorSpec([16, 3], tf.float32))).graph
+    on_device_1 = [op for op in graph.get_operations() if op.device.endswith("CPU:1")]
+    # The pipeline's ops on the device wait for the op traced before them (the
+    # optimizer's updates, traced after the pipeline, are not chained).
+    waiting = [op for op in on_device_1 if op.control_inputs]
+    assert len(waiting) > 100
+    model.pipeline.serialize_ops = False
+    plain = tf.function(model.train_step).get_concrete_function(
+        (tf.TensorSpec([16, 8], tf.float32), tf.TensorSpec([16, 3], tf.float32))).graph
+    assert sum(1 for op in plain.get_operations()
+               if op.device.endswith("CPU:1") and op.control_inputs) < len(waiting) / 4

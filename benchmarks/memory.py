@@ -1,0 +1,429 @@
+"""Peak memory of a training step per recompute mode, and the largest model that fits.
+
+`python -m benchmarks.memory` runs both; `benchmarks.run` calls the same
+functions for its memory and capacity tables.
+
+The model: inputs of width 64 -> `layers` x Dense(`width`, relu) -> Dense(16),
+Adam, MSE, one fixed random batch of `batch` rows, on K=1 device by default
+(GPipe's per-accelerator view; `num_devices` cuts it into K equal stages). The
+batch is large next to the width, so activations (batch x width per layer)
+dominate the parameters (width^2 per layer), and input and head are narrow,
+so the hidden layers hold the memory.
+
+Step memory. Each (recompute, M) runs in a fresh child process with one
+intra-op and one inter-op thread (ops run one at a time), and with
+TensorFlow's oneDNN pool allocator off and glibc's mmap threshold fixed at
+64 KiB (`CHILD_ENV`): every tensor is then its own mapping, returned to the
+OS when freed, so the resident set follows live memory instead of a pool's
+high-water mark. Reported per child, all read from the OS (/proc, getrusage):
+
+  step_mib   the child's peak resident set (ru_maxrss) minus that of a
+             baseline child that builds the same model, optimizer and data
+             but never traces or steps: everything one step costs, graph
+             building and first-call graph optimisation included
+  run_mib    the peak of a later step above the resident set just before it
+             (VmHWM reset through /proc/self/clear_refs, freed heap trimmed):
+             activations, gradients and temporaries of one step
+  trace_mib  resident set after `get_concrete_function` minus before: the
+             Python graph, which grows with M
+
+GPipe's prediction: with recompute="never" each layer's activations for the
+whole batch stay until the backward pass; with recompute a stage keeps only
+its input per micro-batch (the boundary activations, whole batch) and replays
+one micro-batch at a time, so the execution peak falls to about
+boundary + never / M ("GPipe model" column, scaled from the measured
+never, M=1 run).
+
+Largest model that fits. For recompute "never" and "always" at the same M, a
+search over layer counts (a fresh child per probe; one whose resident set
+passes the cap is killed early) finds the largest count whose child peak
+stays within runtime + `budget_mib`, where runtime is the peak of a child
+that only starts TensorFlow. Reported: layers, parameters, and the
+always / never parameter ratio: the analogue of GPipe's 82M -> 318M
+parameters on one accelerator with re-materialisation.
+
+    python -m benchmarks.memory                              # ~3-6 min on 2 cores
+    python -m benchmarks.memory --layers=4 --width=64 --batch=1024 --budget_mib=0
+"""
+
+import gc
+import os
+import pathlib
+import resource
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
+
+from benchmarks import common
+
+RECOMPUTE = ("never", "except_last", "always")
+IN_WIDTH, OUT_WIDTH = 64, 16
+MODEL = {"layers": 16, "width": 256, "batch": 8192}
+QUICK_MODEL = {"layers": 8, "width": 256, "batch": 8192}
+CAPACITY_MODEL = {"width": 128, "batch": 16384, "num_microbatches": 4}
+
+# Every tensor over 64 KiB is its own mmap, unmapped when freed (glibc would
+# otherwise raise the threshold after the first large free and keep freed
+# tensors in its heap), and oneDNN's pool allocator, which keeps what it
+# once held, is off: the resident set then follows live memory.
+CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536",
+             "TF_ENABLE_ONEDNN_OPTS": "0"}
+MIB = 2.0**20
+
+
+def _reset_peak():
+    """Resets VmHWM to the current RSS (Linux >= 4.0); False where unsupported."""
+    try:
+        pathlib.Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _trim():
+    """Collects garbage and hands freed heap memory back to the OS (glibc)."""
+    gc.collect()
+    try:
+        import ctypes  # pylint: disable=import-outside-toplevel
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _max_rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # kB on Linux
+
+
+def params(layers, width):
+    """Parameters of the model: 64 -> layers x Dense(width) -> Dense(16)."""
+    if layers < 1:
+        return 0
+    return ((IN_WIDTH + 1) * width + (layers - 1) * (width + 1) * width
+            + (width + 1) * OUT_WIDTH)
+
+
+def measure_memory(layers, width, batch, num_microbatches=1, recompute="never",
+                   num_devices=1, execution="unrolled", step=True, steps=2, seed=0):
+    """Builds the model (and steps it `steps` times if `step`); MiB figures.
+
+    Runs in a child with `num_devices` logical CPUs (see `run_memory`).
+    """
+    import keras  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import tfpipe  # pylint: disable=import-outside-toplevel
+    keras.utils.set_random_seed(seed)
+    tf.constant(0.0).numpy()  # the runtime is up before anything is counted
+    if layers % num_devices:
+        raise ValueError(f"{layers} layers do not cut into {num_devices} equal stages.")
+    strategy = tfpipe.PipelineStrategy(
+        devices=[f"/CPU:{i}" for i in range(num_devices)], num_microbatches=num_microbatches,
+        recompute=recompute, execution=execution)
+    with strategy.scope():
+        stages = [common.mlp_layers(layers // num_devices, width) for _ in range(num_devices)]
+        stages[-1].append(keras.layers.Dense(OUT_WIDTH))
+        model = tfpipe.PipelinedModel([keras.Sequential(s) for s in stages],
+                                      input_shape=(None, IN_WIDTH))
+        model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    gen = tf.random.Generator.from_seed(seed)
+    x, y = gen.normal((batch, IN_WIDTH)), gen.normal((batch, OUT_WIDTH))
+    result = {
+        "config": {"layers": layers, "width": width, "batch": batch,
+                   "num_microbatches": num_microbatches, "recompute": recompute,
+                   "num_devices": num_devices, "execution": execution, "step": step,
+                   "steps": steps, "optimizer": "Adam(1e-4)",
+                   "model": f"{IN_WIDTH} -> {layers} x Dense({width}, relu) -> "
+                            f"Dense({OUT_WIDTH})"},
+        "params": model.count_params(),
+        "built_mib": common.rss_mib(),
+    }
+    if step:
+        fn = tf.function(lambda a, b: model.train_step((a, b)))
+        _trim()
+        before_trace = common.rss_mib()
+        concrete = fn.get_concrete_function(tf.TensorSpec(x.shape, x.dtype),
+                                            tf.TensorSpec(y.shape, y.dtype))
+        _trim()
+        traced = common.rss_mib()
+        result["trace_mib"] = traced - before_trace
+        start = time.perf_counter()
+        loss = float(concrete(x, y)["loss"])  # graph optimisation, first allocations
+        result["first_step_s"] = time.perf_counter() - start
+        runs = []
+        for _ in range(steps - 1):
+            _trim()
+            before = common.rss_mib()
+            reset = _reset_peak()
+            loss = float(concrete(x, y)["loss"])
+            runs.append(common.peak_rss_mib() - before if reset else None)
+        result["loss"] = loss
+        result["runs_mib"] = runs
+        result["run_mib"] = max(runs) if runs and None not in runs else None
+    result["peak_mib"] = _max_rss_mib()
+    return result
+
+
+def run_memory(timeout=1800, rss_limit_mib=None, **kwargs):
+    """`measure_memory` in a fresh child (1 intra-op, 1 inter-op thread, CHILD_ENV)."""
+    return common.run_child("benchmarks.memory:measure_memory", kwargs, intra_op=1,
+                            inter_op=1, devices=kwargs.get("num_devices", 1),
+                            timeout=timeout, rss_limit_mib=rss_limit_mib, env=CHILD_ENV)
+
+
+def runtime_only():
+    """A child's footprint with TensorFlow, Keras and tfpipe started, no model."""
+    import keras  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    tf.constant(0.0).numpy()
+    return {"peak_mib": _max_rss_mib()}
+
+
+def _map(fn, items, parallel):
+    if parallel <= 1:
+        return [fn(item) for item in items]
+    from concurrent import futures  # pylint: disable=import-outside-toplevel
+    with futures.ThreadPoolExecutor(parallel) as pool:
+        return list(pool.map(fn, items))
+
+
+# -- step memory per recompute mode ---------------------------------------------------
+
+
+def memory_grid(layers, width, batch, microbatches=(1, 4, 16), recompute=RECOMPUTE,
+                num_devices=1, steps=2, parallel=1, log=print):
+    """Step memory per (recompute, M), a fresh child each, and a baseline child.
+
+    `parallel` children may run at once: a peak resident set is per process,
+    so that changes the wall time, not the figures. Returns a dict with
+    "model", "baseline" and one row per configuration.
+    """
+    model = {"layers": layers, "width": width, "batch": batch, "num_devices": num_devices}
+    configs = [dict(model, num_microbatches=m, recompute=r, steps=steps)
+               for r in recompute for m in microbatches]
+    results = _map(lambda c: run_memory(**c), [dict(model, step=False)] + configs, parallel)
+    baseline, results = results[0], results[1:]
+    never_m1 = next((r for c, r in zip(configs, results)
+                     if c["recompute"] == "never" and c["num_microbatches"] == 1
+                     and r.get("run_mib") is not None), None)
+    # Stage inputs, whole batch: what recompute keeps (GPipe's boundary activations).
+    boundary = batch * (IN_WIDTH + (num_devices - 1) * width) * 4 / MIB
+    rows = []
+    for config, result in zip(configs, results):
+        ok = "error" not in result and "error" not in baseline
+        m = config["num_microbatches"]
+        row = {"recompute": config["recompute"], "num_microbatches": m,
+               "peak_mib": result.get("peak_mib"),
+               "step_mib": result["peak_mib"] - baseline["peak_mib"] if ok else None,
+               "run_mib": result.get("run_mib"), "trace_mib": result.get("trace_mib"),
+               "predicted_run_mib": None, "result": result}
+        if ok and never_m1:
+            row["predicted_run_mib"] = (never_m1["run_mib"] if config["recompute"] == "never"
+                                        else boundary + never_m1["run_mib"] / m)
+        rows.append(row)
+        log(_memory_line(row))
+    return {"model": dict(model, params=params(layers, width),
+                          activation_mib_per_layer=batch * width * 4 / MIB,
+                          param_mib=params(layers, width) * 4 / MIB,
+                          boundary_mib=boundary,
+                          description=f"{IN_WIDTH} -> {layers} x Dense({width}, relu) -> "
+                                      f"Dense({OUT_WIDTH}), Adam, batch {batch}, "
+                                      f"K={num_devices}"),
+            "baseline": baseline, "rows": rows}
+
+
+def _memory_line(row):
+    if row["step_mib"] is None:
+        return (f"recompute={row['recompute']:<12} M={row['num_microbatches']:<3} ERROR "
+                f"{str(row['result'].get('error')).strip().splitlines()[-1]}")
+    return (f"recompute={row['recompute']:<12} M={row['num_microbatches']:<3} step "
+            f"{row['step_mib']:7.1f} MiB  execution {common.fmt(row['run_mib'], 1):>7} MiB "
+            f"(GPipe model {common.fmt(row['predicted_run_mib'], 1)})  trace "
+            f"{common.fmt(row['trace_mib'], 1)} MiB")
+
+
+def memory_table(grid):
+    never = {r["num_microbatches"]: r["run_mib"] for r in grid["rows"]
+             if r["recompute"] == "never"}
+    body = []
+    for r in grid["rows"]:
+        base = never.get(r["num_microbatches"])
+        body.append([r["recompute"], str(r["num_microbatches"]), common.fmt(r["step_mib"], 1),
+                     common.fmt(r["run_mib"], 1), common.fmt(r["predicted_run_mib"], 1),
+                     (r["run_mib"] / base) if base and r["run_mib"] is not None else None,
+                     common.fmt(r["trace_mib"], 1)])
+    return common.markdown_table(
+        ["recompute", "M", "step MiB (peak - baseline child)", "execution peak MiB",
+         "GPipe model MiB", "execution / never (same M)", "trace MiB"], body)
+
+
+def plot_memory(grid, path, title=""):
+    """Execution peak vs M per recompute mode, beside the GPipe model."""
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, style in zip(RECOMPUTE, (":", "-.", "--")):
+        rows = [r for r in grid["rows"] if r["recompute"] == mode and r["run_mib"] is not None]
+        if not rows:
+            continue
+        ms = [r["num_microbatches"] for r in rows]
+        line, = ax.plot(ms, [r["run_mib"] for r in rows], "o-", label=f"{mode} (measured)")
+        if any(r["predicted_run_mib"] for r in rows):
+            ax.plot(ms, [r["predicted_run_mib"] for r in rows], style, color=line.get_color(),
+                    label=f"{mode} (GPipe model)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches M")
+    ax.set_ylabel("execution peak of one step (MiB)")
+    ax.set_title(grid["model"]["description"], fontsize=8)
+    ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=7)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- the largest model under a memory cap ------------------------------------------
+
+
+def largest_model(recompute, budget_mib, runtime_mib, width, batch, num_microbatches,
+                  start=(4, 8), max_layers=512, steps=1, log=print):
+    """The most layers whose child peak stays <= runtime_mib + budget_mib.
+
+    Probes the `start` layer counts, then guesses from a straight line through
+    the two measured peaks nearest the cap (secant), clamped inside the
+    bracket (largest fitting, smallest failing count) so that every probe
+    narrows it, until the two are 1 apart; without two measured points it
+    doubles or bisects. A probe whose resident set passes the cap is killed
+    early and counts as failing.
+    """
+    cap = runtime_mib + budget_mib
+    points, probes = {}, []
+    lo, hi = 0, max_layers + 1
+
+    def probe(layers):
+        result = run_memory(layers=layers, width=width, batch=batch,
+                            num_microbatches=num_microbatches, recompute=recompute,
+                            steps=steps, rss_limit_mib=cap)
+        fits = "error" not in result and result["peak_mib"] <= cap
+        if "error" not in result:
+            points[layers] = result["peak_mib"]
+        probes.append({"layers": layers, "fits": fits, "peak_mib": result.get("peak_mib"),
+                       "error": (str(result["error"]).strip().splitlines()[-1]
+                                 if "error" in result else None),
+                       "child_wall_s": result.get("child_wall_s")})
+        log(f"  recompute={recompute:<6} layers={layers:<4} peak "
+            f"{common.fmt(result.get('peak_mib'), 1)} MiB (cap {cap:.0f}) -> "
+            f"{'fits' if fits else 'does not fit'}"
+            + (f" ({probes[-1]['error']})" if probes[-1]["error"] else ""))
+        return fits
+
+    for layers in start:
+        if lo < layers < hi:
+            if probe(layers):
+                lo = layers
+            else:
+                hi = layers
+    while hi - lo > 1 and lo < max_layers:
+        guess = None
+        if len(points) >= 2:
+            (l1, p1), (l2, p2) = sorted(points.items(), key=lambda kv: abs(kv[1] - cap))[:2]
+            if p1 != p2 and (p2 - p1) / (l2 - l1) > 0:
+                guess = int(l1 + (cap - p1) * (l2 - l1) / (p2 - p1))
+        if guess is None:
+            guess = (lo + hi) // 2 if hi <= max_layers else min(2 * max(lo, 1), max_layers)
+        guess = min(max(guess, lo + 1), hi - 1)  # inside the bracket: it always narrows
+        if probe(guess):
+            lo = guess
+        else:
+            hi = guess
+    return {"recompute": recompute, "layers": lo, "params": params(lo, width),
+            "cap_mib": cap, "budget_mib": budget_mib, "probes": probes,
+            "peak_mib_at_layers": points.get(lo)}
+
+
+def capacity(budget_mib, width, batch, num_microbatches, steps=1, log=print, **kwargs):
+    """`largest_model` for recompute "never" and "always"; the parameter ratio."""
+    runtime = common.run_child("benchmarks.memory:runtime_only", {}, intra_op=1, inter_op=1,
+                               env=CHILD_ENV)
+    if "error" in runtime:
+        return {"error": runtime["error"], "runtime": runtime}
+    found = {r: largest_model(r, budget_mib, runtime["peak_mib"], width, batch,
+                              num_microbatches, steps=steps, log=log, **kwargs)
+             for r in ("never", "always")}
+    never, always = found["never"]["params"], found["always"]["params"]
+    return {"budget_mib": budget_mib, "runtime_mib": runtime["peak_mib"],
+            "model": {"width": width, "batch": batch, "num_microbatches": num_microbatches,
+                      "num_devices": 1, "steps": steps,
+                      "description": f"{IN_WIDTH} -> L x Dense({width}, relu) -> "
+                                     f"Dense({OUT_WIDTH}), Adam, batch {batch}, "
+                                     f"M={num_microbatches}, K=1"},
+            "never": found["never"], "always": found["always"],
+            "ratio": always / never if never else None}
+
+
+def capacity_table(result):
+    if "error" in result:
+        return f"capacity search failed: {result['error']}"
+    rows = []
+    for mode in ("never", "always"):
+        found = result[mode]
+        rows.append([mode, str(found["layers"]), f"{found['params'] / 1e6:.3f}M",
+                     common.fmt(found["peak_mib_at_layers"], 1), f"{found['cap_mib']:.0f}",
+                     str(len(found["probes"]))])
+    rows.append(["always / never", common.fmt(
+        result["always"]["layers"] / max(1, result["never"]["layers"])),
+        common.fmt(result["ratio"]), "", "", ""])
+    return common.markdown_table(["recompute", "layers", "parameters", "peak MiB",
+                                  "cap MiB (runtime + budget)", "probes"], rows)
+
+
+# -- command line ------------------------------------------------------------------
+
+
+def main(argv):
+    from absl import app  # pylint: disable=import-outside-toplevel
+    from absl import flags  # pylint: disable=import-outside-toplevel
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    f = flags.FLAGS
+    start = time.perf_counter()
+    info = common.machine()
+    print(f"machine: {common.machine_label(info)}")
+    grid = memory_grid(f.layers, f.width, f.batch, common.parse_ints(f.microbatches),
+                       num_devices=f.num_devices, parallel=f.parallel)
+    print(memory_table(grid))
+    cap = None
+    if f.budget_mib:
+        cap = capacity(f.budget_mib, f.capacity_width, f.capacity_batch,
+                       f.capacity_microbatches)
+        print(capacity_table(cap))
+    out = common.write_json(f.out, {"machine": info, "memory": grid, "capacity": cap,
+                                    "wall_s": time.perf_counter() - start})
+    png = plot_memory(grid, pathlib.Path(f.out).with_suffix(".png"),
+                      common.machine_label(info))
+    print(f"wrote {out} and {png}")
+
+
+def _define_flags():
+    from absl import flags  # pylint: disable=import-outside-toplevel
+    flags.DEFINE_integer("layers", MODEL["layers"], "Hidden Dense layers.")
+    flags.DEFINE_integer("width", MODEL["width"], "Hidden width.")
+    flags.DEFINE_integer("batch", MODEL["batch"], "Rows per step.")
+    flags.DEFINE_integer("num_devices", 1, "K: stages / logical devices.")
+    flags.DEFINE_string("microbatches", "1,4,16", "Micro-batch counts M.")
+    flags.DEFINE_integer("parallel", 2, "Memory children run at once.")
+    flags.DEFINE_integer("budget_mib", 384, "Capacity search: MiB above the runtime "
+                         "(0: skip the search).")
+    flags.DEFINE_integer("capacity_width", CAPACITY_MODEL["width"], "Capacity search width.")
+    flags.DEFINE_integer("capacity_batch", CAPACITY_MODEL["batch"], "Capacity search batch.")
+    flags.DEFINE_integer("capacity_microbatches", CAPACITY_MODEL["num_microbatches"],
+                         "Capacity search M (both modes).")
+    flags.DEFINE_string("out", str(common.RESULTS_DIR / "memory.json"), "JSON output.")
+
+
+if __name__ == "__main__":
+    from absl import app as _app
+    _define_flags()
+    _app.run(main)

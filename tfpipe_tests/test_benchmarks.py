@@ -1,0 +1,120 @@
+"""The benchmark machinery on tiny configurations: structure and sanity, never timing.
+
+Speed claims come from `python -m benchmarks.run` on a quiet machine, not from
+a timed unit test; these tests check that the measuring code runs, returns
+what the tables read, and keeps BUILD.md's markers.
+"""
+
+import json
+
+import pytest
+
+from benchmarks import common
+from benchmarks import memory
+from benchmarks import run
+from benchmarks import schedules
+
+
+def test_replace_section_keeps_markers_and_surroundings(tmp_path):
+    path = tmp_path / "BUILD.md"
+    path.write_text(f"# Title\n\nbefore\n{common.BEGIN_MARKER}\nold table\n"
+                    f"{common.END_MARKER}\nafter\n")
+    common.rewrite_build_md(path, "| a |\n|---|\n| 1 |\n")
+    text = path.read_text()
+    assert text.startswith("# Title\n\nbefore\n")
+    assert text.endswith(f"{common.END_MARKER}\nafter\n")
+    assert "old table" not in text
+    body = text.split(common.BEGIN_MARKER)[1].split(common.END_MARKER)[0]
+    assert body == "\n| a |\n|---|\n| 1 |\n"
+    common.rewrite_build_md(path, "second")  # idempotent: markers still there once
+    assert path.read_text().count(common.BEGIN_MARKER) == 1
+
+
+@pytest.mark.parametrize("text", [
+    "no markers at all",
+    f"{common.END_MARKER} then {common.BEGIN_MARKER}",
+    f"{common.BEGIN_MARKER} {common.BEGIN_MARKER} {common.END_MARKER}",
+])
+def test_replace_section_rejects_bad_markers(text):
+    with pytest.raises(ValueError):
+        common.replace_section(text, "x")
+
+
+def test_ideal_speedups():
+    assert schedules.ideal_speedup(2, 8) == pytest.approx(16 / 9)
+    assert schedules.ideal_speedup(4, 1) == 1.0
+    for k, m in [(2, 1), (2, 8), (4, 16)]:
+        assert schedules.simulated_speedup("gpipe", k, m) == pytest.approx(
+            schedules.ideal_speedup(k, m))
+    # Interleaving shrinks the bubble; recompute lowers what can be reached.
+    assert schedules.simulated_speedup("interleaved", 2, 8) > schedules.ideal_speedup(2, 8)
+    assert (schedules.simulated_speedup("gpipe", 2, 8, recompute="always")
+            < schedules.ideal_speedup(2, 8))
+    assert not schedules.valid("interleaved", 4, 2, layers=8)
+    assert schedules.valid("interleaved", 2, 4, layers=8)
+
+
+def test_measure_step_in_process():
+    # conftest made 4 logical CPUs; the thread settings do not matter here.
+    result = schedules.measure_step(2, 2, "gpipe", batch=16, width=8, layers=2, warmup=1,
+                                    repeats=1, steps=1)
+    for name in ("tfpipe", "plain", "plain_threaded"):
+        assert result[name]["step_ms"] > 0
+        assert result[name]["trace_s"] > 0
+        assert result[name]["ops_total"] >= result[name]["ops"] > 0
+    assert set(result["speedup"]) == {"plain", "plain_threaded"}
+    assert all(v > 0 for v in result["speedup"].values())
+    assert result["config"]["stages"] == 2
+    json.dumps(result)  # what a child prints must be JSON
+
+
+def test_measure_trace_loop_in_process():
+    result = schedules.measure_trace(2, 2, "loop", batch=8, width=4, layers=2, steps=1)
+    assert result["ops_total"] > result["ops"]  # the while body is a nested function
+    assert result["trace_s"] > 0 and result["first_call_s"] > 0
+
+
+def test_largest_model_search_finds_the_boundary(monkeypatch):
+    calls = []
+
+    def fake_run_memory(layers, rss_limit_mib, **kwargs):
+        calls.append(layers)
+        peak = 500.0 + 7.0 * layers  # 500 MiB runtime + 7 MiB per layer
+        if peak > rss_limit_mib:
+            return {"error": "rss_limit"}
+        return {"peak_mib": peak}
+
+    monkeypatch.setattr(memory, "run_memory", fake_run_memory)
+    found = memory.largest_model("never", budget_mib=100, runtime_mib=500, width=8, batch=8,
+                                 num_microbatches=1, log=lambda *_: None)
+    assert found["layers"] == 14  # 7 * 14 = 98 <= 100 < 105
+    assert found["params"] == memory.params(14, 8)
+    assert len(calls) <= 8
+
+
+def test_run_suite_memory_in_children(tmp_path):
+    build_md = tmp_path / "BUILD.md"
+    build_md.write_text(f"## Benchmarks\n{common.BEGIN_MARKER}\n{common.END_MARKER}\ntail\n")
+    suites = {"tiny": {"memory": dict(layers=2, width=16, batch=64, microbatches=(2,),
+                                      recompute=("always",), steps=2, parallel=2)}}
+    data = run.run_suite("tiny", only=["memory"], out_dir=tmp_path, build_md=build_md,
+                         suites=suites, log=lambda *_: None)
+    grid = data["results"]["memory"]
+    assert "error" not in grid["baseline"], grid["baseline"].get("stderr_tail")
+    (row,) = grid["rows"]
+    assert "error" not in row["result"], row["result"].get("stderr_tail")
+    assert row["peak_mib"] > 0 and row["run_mib"] is not None and row["run_mib"] >= 0
+    assert row["result"]["params"] == memory.params(2, 16)
+    saved = json.loads((tmp_path / "suite_tiny.json").read_text())
+    assert saved["machine"]["cpu_count"] >= 1 and "processor" in saved["machine"]
+    assert (tmp_path / "suite_tiny_memory.png").stat().st_size > 0
+    text = build_md.read_text()
+    assert text.startswith("## Benchmarks\n") and text.endswith(f"{common.END_MARKER}\ntail\n")
+    assert "| always | 2 |" in text
+
+
+def test_child_errors_come_back_as_dicts():
+    result = common.run_child("benchmarks.memory:measure_memory",
+                              {"layers": 3, "width": 4, "batch": 8, "num_devices": 2},
+                              devices=2, timeout=120)
+    assert "error" in result and "equal stages" in result["error"]
