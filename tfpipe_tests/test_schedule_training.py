@@ -234,3 +234,21 @@ def test_serialized_device_ops_train_exactly_and_are_chained():
         (tf.TensorSpec([16, 8], tf.float32), tf.TensorSpec([16, 3], tf.float32))).graph
     assert sum(1 for op in plain.get_operations()
                if op.device.endswith("CPU:1") and op.control_inputs) < len(waiting) / 4
+
+
+def test_next_action_waits_for_the_weight_gradients_of_a_backward():
+    # If a device's next action waited only for a backward's input gradient, TF
+    # could run that backward's weight-gradient matmuls late and keep every
+    # micro-batch's tensors alive (recompute then saves no memory).
+    strategy = tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], num_microbatches=2,
+                                       recompute="always")
+    with strategy.scope():
+        model = tfpipe.PipelinedModel([keras.layers.Dense(4), keras.layers.Dense(3)],
+                                      input_shape=(None, 8))
+        model.compile(optimizer="sgd", loss="mse")
+    graph = tf.function(model.train_step).get_concrete_function(
+        (tf.TensorSpec([4, 8], tf.float32), tf.TensorSpec([4, 3], tf.float32))).graph
+    # dW = x^T dy is the MatMul with transpose_a; dx = dy W^T has transpose_b.
+    awaited = [dep for op in graph.get_operations() for dep in op.control_inputs
+               if dep.type == "MatMul" and dep.get_attr("transpose_a")]
+    assert awaited, "no op waits for a weight-gradient MatMul"
