@@ -30,5 +30,10 @@ setup(
         "scikit-learn",  # ships the digits data set the default training run uses
         "matplotlib",  # the loss curve (loss.png) of launch.train
     ],
-    extras_require={"test": ["pytest"]},
+    extras_require={
+        # keras-hub itself (and tensorflow-text, which would pull the full
+        # `tensorflow` package beside tensorflow-cpu) install with --no-deps;
+        # these are their small dependencies. See README / .ci/run.
+        "test": ["pytest", "regex", "rich", "kagglehub", "tokenizers", "sentencepiece"],
+    },
 )

@@ -2,12 +2,20 @@
 
 A custom `tf.distribute.Strategy` needs a `StrategyExtended` implementation and
 TensorFlow only ships private ones; re-materialisation needs a layer's seed
-generators, which Keras keeps in a private attribute. Everything private is used
-here and nowhere else, and `tfpipe_tests/test_internal.py` pins it, so a
-TensorFlow or Keras upgrade breaks this file and its test, not the engine.
+generators; exact losses need the hidden metadata Keras keeps on tensors
+(masks, softmax/sigmoid logits) and the compiled loss's resolved terms;
+placing a user's own layers needs re-creating a Keras variable's storage on
+another device; deferred BatchNorm needs the moments a BatchNormalization layer
+computes. Everything private is used here and nowhere else, and
+`tfpipe_tests/test_testing_and_internal.py` pins it, so a TensorFlow or Keras
+upgrade breaks this file and its test, not the engine.
 """
 
+import contextlib
+
+import keras
 import tensorflow as tf
+from keras.src.backend.common import masking as keras_masking
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.framework import ops
 
@@ -84,27 +92,6 @@ def seed_generators(layer):
     return found
 
 
-def compiled_loss_reductions(model):
-    """The `reduction` of every loss given to `model.compile`, as strings.
-
-    Returns an empty list when no loss was compiled.
-    """
-    compile_loss = getattr(model, "_compile_loss", None)
-    if compile_loss is None:
-        return []
-    import keras  # local: keep import order simple for the tests
-
-    reductions = []
-    for loss in tf.nest.flatten(getattr(compile_loss, "_user_loss", None)):
-        if loss is None:
-            continue
-        if isinstance(loss, str) or not isinstance(loss, keras.losses.Loss):
-            reductions.append("sum_over_batch_size")  # Keras wraps functions so
-        else:
-            reductions.append(str(loss.reduction))
-    return reductions
-
-
 def in_keras_symbolic_build():
     """True inside Keras' symbolic (stateless) build, where variable creation
     is deferred and would later land on the default device."""
@@ -126,3 +113,145 @@ def chain_ops(ops_in_order, after=None):
             op._add_control_input(previous)  # pylint: disable=protected-access
         previous = op
     return previous
+
+
+# -- Keras metadata on tensors ------------------------------------------------
+
+
+def get_keras_mask(tensor):
+    """The Keras mask riding on `tensor` (`_keras_mask`), or None."""
+    return keras_masking.get_keras_mask(tensor)
+
+
+def set_keras_mask(tensor, mask):
+    """Attaches `mask` to `tensor` as Keras does (layers and losses read it)."""
+    keras_masking.set_keras_mask(tensor, mask)
+
+
+def get_keras_logits(tensor):
+    """The logits a softmax/sigmoid output was computed from, or None.
+
+    Keras' crossentropy reads them instead of the probabilities, so the
+    gradient of such a loss flows through the logits, not through the output.
+    """
+    return getattr(tensor, "_keras_logits", None)
+
+
+def set_keras_logits(tensor, logits):
+    try:
+        tensor._keras_logits = logits  # pylint: disable=protected-access
+    except AttributeError:  # eager tensors take no attributes (nor does Keras)
+        pass
+
+
+def concat_with_metadata(parts):
+    """`tf.concat(parts, 0)` that keeps the parts' Keras masks and logits."""
+    joined = tf.concat(parts, axis=0)
+    masks = [get_keras_mask(p) for p in parts]
+    if all(m is not None for m in masks):
+        set_keras_mask(joined, tf.concat(masks, axis=0))
+    logits = [get_keras_logits(p) for p in parts]
+    if all(l is not None for l in logits):
+        set_keras_logits(joined, tf.concat(logits, axis=0))
+    return joined
+
+
+def slice_with_metadata(tensor, rows):
+    """`tensor[:rows]` with its Keras mask and logits cut alike."""
+    out = tensor[:rows]
+    mask = get_keras_mask(tensor)
+    if mask is not None:
+        set_keras_mask(out, mask[:rows])
+    logits = get_keras_logits(tensor)
+    if logits is not None:
+        set_keras_logits(out, logits[:rows])
+    return out
+
+
+# -- placing and inspecting the user's layers ---------------------------------
+
+
+def move_variable(variable, device):
+    """Re-creates a built Keras variable's storage on `device`, same value.
+
+    The layer keeps the same `keras.Variable` object (and so does every other
+    layer or model sharing it); only its backing `tf.Variable` is new.
+    """
+    with tf.device(device):
+        variable._initialize(variable.value.read_value())  # pylint: disable=protected-access
+
+
+def producing_node(tensor):
+    """(operation, node, node index) of the call that made a KerasTensor, or
+    (None, None, None) for a tensor with no Keras history."""
+    history = getattr(tensor, "_keras_history", None)
+    if history is None or history.operation is None:
+        return None, None, None
+    op = history.operation
+    return op, op._inbound_nodes[history.node_index], history.node_index  # pylint: disable=protected-access
+
+
+def flatten_layers(layer):
+    """`layer` and all its sub-layers, recursively, each once."""
+    return layer._flatten_layers(include_self=True, recursive=True)  # pylint: disable=protected-access
+
+
+def call_losses(layer):
+    """Losses `layer` and its sub-layers added during their last call
+    (`add_loss`, activity regularisers); weight regularisers excluded."""
+    found = []
+    for sub in flatten_layers(layer):
+        found.extend(sub._get_own_losses())  # pylint: disable=protected-access
+    return found
+
+
+def reset_compiled_functions(model):
+    """Drops a Keras model's cached train/test/predict functions (they hold
+    the variables' old storage after `move_variable`)."""
+    for sub in flatten_layers(model):
+        if isinstance(sub, keras.Model):
+            sub.train_function = sub.test_function = sub.predict_function = None
+
+
+@contextlib.contextmanager
+def intercept_moments(layer, record):
+    """While active, `layer` (a BatchNormalization) reports every (mean,
+    variance) it normalises with: `record(inputs, mask, mean, variance)`.
+
+    Keras' own training branch still runs, so the output is exactly plain BN's.
+    """
+    original = type(layer)._moments  # pylint: disable=protected-access
+
+    def moments(inputs, mask):
+        mean, variance = original(layer, inputs, mask)
+        record(inputs, mask, mean, variance)
+        return mean, variance
+
+    layer._moments = moments  # pylint: disable=protected-access
+    try:
+        yield
+    finally:
+        del layer._moments  # pylint: disable=protected-access
+
+
+def batch_norm_reduction_axes(layer):
+    return list(layer._reduction_axes)  # pylint: disable=protected-access
+
+
+# -- the compiled loss ----------------------------------------------------------
+
+
+def compiled_loss_terms(compile_loss):
+    """The built `CompileLoss`'s terms: (path, loss, weight, name) each, where
+    `loss` is a `keras.losses.Loss` and `path` indexes y_true and y_pred."""
+    return [(t.path, t.loss, t.loss_weights, t.name) for t in compile_loss._flat_losses]  # pylint: disable=protected-access
+
+
+def compiled_loss_structures(compile_loss):
+    """The (y_true, y_pred) structures the `CompileLoss` was built for."""
+    return compile_loss._y_true_build_structure, compile_loss._y_pred_build_structure  # pylint: disable=protected-access
+
+
+def user_loss(compile_loss):
+    """The `loss` argument given to `compile`."""
+    return compile_loss._user_loss  # pylint: disable=protected-access

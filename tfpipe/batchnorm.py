@@ -1,207 +1,190 @@
 """Deferred batch normalisation: moving statistics of the whole mini-batch.
 
-With M micro-batches a plain `BatchNormalization` layer runs M times per
-training step; each run normalises its micro-batch with that micro-batch's
-statistics and updates the moving mean and variance, so one step applies M
-momentum updates from statistics of b = N / M rows each.
-`DeferredBatchNormalization` (after torchgpipe's `DeferredBatchNorm`) keeps
-the normalisation and changes only the update.
+With M micro-batches each `keras.layers.BatchNormalization` in a stage runs M
+times per training step; each run normalises its micro-batch with that
+micro-batch's statistics and, in plain Keras, updates the moving mean and
+variance, so one step applies M momentum updates from statistics of N / M rows.
+With `batch_norm="deferred"` (the default; torchgpipe's `DeferredBatchNorm`)
+tfpipe keeps the normalisation and changes only the update, for every
+BatchNormalization layer in every stage however deeply it is nested (inside a
+residual block, a nested model, a wrapper) — the user's layers are not
+replaced or changed:
 
-Training-time semantics (`training=True`, layer trainable), exactly:
+* Each call (one micro-batch) is normalised with its own mean and biased
+  variance, exactly as `BatchNormalization` does (its own code runs).
+* tfpipe records that call's per-channel count, mean and variance.
+* At the end of the step the moving statistics are set once from their value
+  before the step and the statistics of all M calls merged (count-weighted,
+  Chan et al.'s parallel formula: exactly the mean and biased variance of the
+  whole mini-batch's activations at that layer):
+  `moving_mean = momentum * moving_mean_before + (1 - momentum) * mean(mini-batch)`,
+  likewise `moving_variance`. That is the update full-batch training applies.
+  A layer called at several places per step (shared) gets one such update per
+  call site, in call order, as in plain Keras.
 
-* Each call (one micro-batch, b rows) is normalised with its own mean and
-  biased variance over all axes but `axis`, as `BatchNormalization` does: the
-  layer's output and its gradients are those of plain BN on that micro-batch.
-* The micro-batch's count n_b (rows times the other reduced dimensions), mean
-  and sum of squared deviations are merged into non-trainable accumulators:
-  `accumulated_mean` and `accumulated_m2` (running mean and sum of squared
-  deviations per channel), `accumulated_count` and `accumulated_calls`. The
-  merge is Chan et al.'s parallel update: the same mean and variance as a
-  sum / sum-of-squares / count accumulation, without its cancellation.
-* On the M-th call of a step (M = `num_microbatches`) the accumulated mean
-  and biased variance of all M micro-batches, i.e. of the whole mini-batch,
-  are committed once:
-  `moving_mean = momentum * moving_mean + (1 - momentum) * mean(mini-batch)`
-  (likewise `moving_variance` with the biased variance), and the accumulators
-  are reset. That is exactly the update full-batch training applies, for the
-  activations this layer received.
-* With `num_microbatches=1` the layer is plain `BatchNormalization`.
+Nothing about M is stored in the layers: the pipeline reads it from its
+configuration when it traces a step, so a model loaded with another M is right.
+Recompute replays restore every non-trainable variable, so replays never
+count. With M = 1 nothing is intercepted: it is plain Keras. Evaluation and
+inference (`training=False`) use the moving statistics, as plain BN.
 
-The calls are counted at run time (a variable, not a Python counter), so
-the layer works the same in the unrolled and in the loop (`tf.while_loop`)
-execution. Every training call counts: calling the pipelined model directly
-with `training=True` on a whole batch is one of the M calls.
-
-Inference (`training=False`, or a non-trainable layer) uses the moving
-statistics, as plain BN. Recompute is safe: `tfpipe.recompute` replays a stage
-and then restores all its non-trainable variables, accumulators included, so
-a replayed micro-batch is counted once. A padded ragged last batch (tfpipe
-pads with zero rows) contributes its padding rows to the statistics, as it
-would to plain BN's.
-
-What does not change: the normalisation itself still uses micro-batch
-statistics (a pipeline cannot use the statistics of micro-batches that have not
-run yet), so with BN a pipelined step equals full-batch training only for
-M = 1. Deferred BN keeps the moving statistics, which evaluation and
-inference use, the same as full-batch training's; plain BN's M updates per
-step decay the old statistics like momentum**M and average micro-batch
-variances, which miss the spread between micro-batches. That is why
-`PipelinedModel.from_model(batch_norm="deferred")` is the default.
-
->>> import keras, numpy as np
->>> bn = DeferredBatchNormalization(num_microbatches=2)
->>> x = np.arange(16, dtype="float32").reshape(8, 2)
->>> _ = bn(x[:4], training=True)          # first micro-batch: accumulated
->>> float(bn.moving_mean.numpy()[0])       # not committed yet
-0.0
->>> _ = bn(x[4:], training=True)          # second: commits the 8-row mean
->>> round(float(bn.moving_mean.numpy()[0]), 4)   # 0.01 * mean(x[:, 0]) = 0.01 * 7
-0.07
+`batch_norm="plain"` leaves BatchNormalization alone: M updates per step with
+micro-batch statistics. Micro-batch normalisation itself is the same in both
+modes (a pipeline cannot use the statistics of micro-batches that have not run
+yet), so with BatchNorm a pipelined step equals full-batch training only for
+M = 1. Layers with `renorm=True` are refused in deferred mode.
 """
+
+import contextlib
 
 import keras
 import tensorflow as tf
-from keras import ops
 
-from tfpipe import strategy as strategy_lib
+from tfpipe import _internal
 
 BATCH_NORM_MODES = ("deferred", "plain")
 
 
-@keras.saving.register_keras_serializable(package="tfpipe")
-class DeferredBatchNormalization(keras.layers.BatchNormalization):
-    """`BatchNormalization` whose moving statistics are updated once per mini-batch.
-
-    Args:
-      num_microbatches: M, the number of calls in one training step. None
-        takes the current `tfpipe.PipelineStrategy`'s when the layer is built
-        (else 1); `PipelinedModel.from_model` sets it to the model's M.
-      **kwargs: as `keras.layers.BatchNormalization` (`renorm` unsupported).
-
-    >>> import tfpipe, keras
-    >>> bn = tfpipe.batchnorm.DeferredBatchNormalization()
-    >>> stage = keras.Sequential([keras.layers.Dense(8), bn, keras.layers.Dense(2)])
-    >>> with tfpipe.PipelineStrategy(num_microbatches=4).scope():
-    ...     model = tfpipe.PipelinedModel([stage], input_shape=(None, 3))
-    >>> bn.num_microbatches          # taken from the strategy when built
-    4
-    """
-
-    def __init__(self, num_microbatches=None, **kwargs):
-        if kwargs.get("renorm"):
-            raise ValueError(
-                "DeferredBatchNormalization does not support renorm=True; use "
-                "keras.layers.BatchNormalization (batch_norm='plain' in from_model)."
-            )
-        super().__init__(**kwargs)
-        self.num_microbatches = _check_m(num_microbatches)
-
-    def build(self, input_shape):
-        super().build(input_shape)
-        if self.num_microbatches is None:
-            strategy = strategy_lib.current_pipeline_strategy()
-            self.num_microbatches = strategy.num_microbatches if strategy else 1
-        shape = (input_shape[self.axis],)
-        add = lambda name, shape: self.add_weight(  # noqa: E731
-            name=name, shape=shape, initializer="zeros", trainable=False, autocast=False)
-        # Mean, sum of squared deviations (M2) and element count per channel
-        # of the calls since the last commit, and the number of those calls.
-        self.accumulated_mean = add("accumulated_mean", shape)
-        self.accumulated_m2 = add("accumulated_m2", shape)
-        self.accumulated_count = add("accumulated_count", ())
-        self.accumulated_calls = add("accumulated_calls", ())
-
-    def call(self, inputs, training=None, mask=None):
-        if not (training and self.trainable) or (self.num_microbatches or 1) == 1:
-            return super().call(inputs, training=training, mask=mask)
-        # The same ops as BatchNormalization's training branch, so the output
-        # is bit-identical to plain BN's on this micro-batch.
-        compute_dtype = keras.backend.result_type(inputs.dtype, "float32")
-        inputs = ops.cast(inputs, compute_dtype)
-        gamma = ops.cast(self.gamma, inputs.dtype) if self.scale else None
-        beta = ops.cast(self.beta, inputs.dtype) if self.center else None
-        mean, variance = self._moments(inputs, mask)
-        self._accumulate(mean, variance, self._count(inputs, mask))
-        outputs = ops.batch_normalization(
-            x=inputs, mean=mean, variance=variance, axis=self.axis,
-            offset=beta, scale=gamma, epsilon=self.epsilon)
-        return ops.cast(outputs, self.compute_dtype)
-
-    def _count(self, inputs, mask):
-        if mask is not None:
-            return tf.reduce_sum(tf.cast(mask, tf.float32))
-        channels = 1
-        for axis in range(len(inputs.shape)):
-            if axis not in self._reduction_axes:
-                channels *= inputs.shape[axis]
-        return tf.cast(tf.size(inputs), tf.float32) * (1.0 / channels)
-
-    def _accumulate(self, mean, variance, count):
-        # Plain TensorFlow ops, as few as possible: this runs once per
-        # micro-batch per BN layer, and tracing time grows with the op count.
-        mean, variance = tf.cast(mean, tf.float32), tf.cast(variance, tf.float32)
-        n_a = tf.convert_to_tensor(self.accumulated_count.value)
-        mean_a = tf.convert_to_tensor(self.accumulated_mean.value)
-        n = n_a + count
-        weight = count / n
-        delta = mean - mean_a
-        new_mean = mean_a + delta * weight
-        new_m2 = self.accumulated_m2.value + variance * count + tf.square(delta) * (n_a * weight)
-        calls = self.accumulated_calls.value + 1.0
-        commit = calls >= float(self.num_microbatches)
-        for moving, stat in ((self.moving_mean, new_mean), (self.moving_variance, new_m2 / n)):
-            old = tf.cast(moving.value, tf.float32)
-            updated = old * self.momentum + stat * (1.0 - self.momentum)
-            moving.assign(tf.cast(tf.where(commit, updated, old), moving.dtype))
-        zero = tf.zeros_like(new_mean)
-        self.accumulated_mean.assign(tf.where(commit, zero, new_mean))
-        self.accumulated_m2.assign(tf.where(commit, zero, new_m2))
-        self.accumulated_count.assign(tf.where(commit, 0.0, n))
-        self.accumulated_calls.assign(tf.where(commit, 0.0, calls))
-
-    def get_config(self):
-        return {**super().get_config(), "num_microbatches": self.num_microbatches}
-
-
-def _check_m(m):
-    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-        raise ValueError(f"num_microbatches must be a positive integer or None, got {m!r}.")
-    return m
-
-
 def validate_mode(batch_norm):
-    """Returns `batch_norm` if it names a mode of `from_model`, else raises."""
+    """Returns `batch_norm` if it names a mode, else raises ValueError."""
     if batch_norm not in BATCH_NORM_MODES:
         raise ValueError(
             f"Unknown batch_norm {batch_norm!r}. Use 'deferred' (moving statistics "
             f"updated once per mini-batch with its statistics, as full-batch "
-            f"training) or 'plain' (keep BatchNormalization: M updates per step)."
+            f"training) or 'plain' (keep BatchNormalization as it is: M updates per "
+            f"step)."
         )
     return batch_norm
 
 
-def clone(op, batch_norm="deferred"):
-    """An unbuilt copy of `op`; a `keras.layers.BatchNormalization` becomes
-    `DeferredBatchNormalization` when `batch_norm="deferred"`."""
-    config = op.get_config()
-    if batch_norm == "deferred" and type(op) is keras.layers.BatchNormalization:
-        if config.get("renorm"):
-            raise ValueError(
-                f"Layer {op.name!r} uses renorm=True, which deferred batch norm does "
-                f"not support; pass batch_norm='plain' to keep it as it is."
-            )
-        return DeferredBatchNormalization.from_config(config)
-    return op.__class__.from_config(config)
+def batch_norm_layers(stage):
+    """Every `keras.layers.BatchNormalization` in `stage`, nested ones included."""
+    return [layer for layer in _internal.flatten_layers(stage)
+            if isinstance(layer, keras.layers.BatchNormalization)]
 
 
-def set_num_microbatches(layer, num_microbatches):
-    """Sets M on every `DeferredBatchNormalization` in `layer` (a layer, model
-    or list of them); returns how many were set."""
-    layers = layer if isinstance(layer, (list, tuple)) else [layer]
-    found = 0
-    for item in layers:
-        for sub in item._flatten_layers(include_self=True, recursive=True):  # pylint: disable=protected-access
-            if isinstance(sub, DeferredBatchNormalization):
-                sub.num_microbatches = _check_m(num_microbatches)
-                found += 1
-    return found
+def check_layers(stages, batch_norm):
+    """Raises ValueError for layers deferred mode cannot handle (renorm)."""
+    if batch_norm != "deferred":
+        return
+    for k, stage in enumerate(stages):
+        for layer in batch_norm_layers(stage):
+            if layer.renorm:
+                raise ValueError(
+                    f"Layer {layer.name!r} (stage {k}) uses renorm=True, which deferred "
+                    f"batch norm does not support; pass batch_norm='plain' to keep it "
+                    f"as Keras updates it.")
+
+
+class Moments:
+    """The per-call statistics of one BatchNormalization call site."""
+
+    __slots__ = ("layer", "count", "mean", "variance")
+
+    def __init__(self, layer, count, mean, variance):
+        self.layer, self.count, self.mean, self.variance = layer, count, mean, variance
+
+
+
+class Recorder:
+    """Records BatchNormalization moments while a stage's forward is traced.
+
+    `with recorder.forward(k, weight) as calls:` installs the interception on
+    stage k's BN layers; `calls` fills with one `Moments` per training BN call,
+    in call order, its count multiplied by `weight` (0 for a micro-batch that
+    stands in for an empty one). Inactive (plain mode, or M = 1), it records
+    nothing.
+    """
+
+    def __init__(self, stages, active):
+        self.active = active
+        self.layers = [batch_norm_layers(s) if active else [] for s in stages]
+
+    @contextlib.contextmanager
+    def forward(self, k, weight=1.0):
+        calls = []
+        if not self.layers[k]:
+            yield calls
+            return
+        with contextlib.ExitStack() as stack:
+            for layer in self.layers[k]:
+                def record(inputs, mask, mean, variance, layer=layer):
+                    calls.append(Moments(layer, _count(layer, inputs, mask) * weight,
+                                         tf.cast(mean, tf.float32),
+                                         tf.cast(variance, tf.float32)))
+                stack.enter_context(_internal.intercept_moments(layer, record))
+            yield calls
+
+    def before_step(self):
+        """The moving statistics before the step: read them first."""
+        return {id(layer): (tf.identity(layer.moving_mean.value),
+                            tf.identity(layer.moving_variance.value))
+                for layers in self.layers for layer in layers}
+
+
+def _count(layer, inputs, mask):
+    """Elements per channel that one call's statistics are over (float32)."""
+    axes = _internal.batch_norm_reduction_axes(layer)
+    if mask is None:
+        shape = tf.shape(inputs)
+        return tf.cast(tf.reduce_prod(tf.gather(shape, axes)), tf.float32)
+    mask = tf.cast(tf.expand_dims(mask, -1), tf.float32)
+    return tf.reduce_sum(tf.broadcast_to(mask, tf.shape(inputs)), axis=axes)
+
+
+def merge(counts, means, variances):
+    """(mean, biased variance) of the union of M calls' elements.
+
+    Args: the calls' per-channel counts (M,) or (M, C), means and biased
+    variances (M, C), stacked along axis 0.
+    """
+    counts = tf.broadcast_to(tf.reshape(counts, [tf.shape(counts)[0], -1]), tf.shape(means))
+    total = tf.reduce_sum(counts, 0)
+    # An empty micro-batch (N < M) has NaN moments and weight 0.
+    weights = tf.math.divide_no_nan(counts, total)
+    means = tf.where(counts > 0, means, 0.0)
+    variances = tf.where(counts > 0, variances, 0.0)
+    mean = tf.reduce_sum(weights * means, 0)
+    variance = tf.reduce_sum(weights * (variances + tf.square(means - mean)), 0)
+    return mean, variance
+
+
+def stack_sites(per_microbatch):
+    """Call sites from one list of `Moments` per micro-batch (same call order
+    in each): [(layer, counts, means, variances)] with a leading M axis."""
+    sites = []
+    for calls in zip(*per_microbatch):
+        sites.append((calls[0].layer,
+                      tf.stack([c.count for c in calls]),
+                      tf.stack([c.mean for c in calls]),
+                      tf.stack([c.variance for c in calls])))
+    return sites
+
+
+def commit(before, sites):
+    """Sets each layer's moving statistics once per call site of the step.
+
+    Args:
+      before: `Recorder.before_step()`.
+      sites: [(layer, counts, means, variances)], stacked over micro-batches,
+        in call-site order (`stack_sites`).
+    Returns:
+      The assign ops (to make later work wait for them).
+    """
+    current = dict(before)
+    layers = {}
+    for layer, counts, means, variances in sites:
+        with tf.device(layer.moving_mean.value.device):
+            mean, variance = merge(counts, means, variances)
+            old_mean, old_var = current[id(layer)]
+            current[id(layer)] = (
+                tf.cast(old_mean, tf.float32) * layer.momentum + mean * (1.0 - layer.momentum),
+                tf.cast(old_var, tf.float32) * layer.momentum + variance * (1.0 - layer.momentum))
+            layers[id(layer)] = layer
+    ops = []
+    for key, layer in layers.items():
+        new_mean, new_var = current[key]
+        with tf.device(layer.moving_mean.value.device):
+            ops.append(layer.moving_mean.assign(tf.cast(new_mean, layer.moving_mean.dtype)))
+            ops.append(layer.moving_variance.assign(tf.cast(new_var, layer.moving_variance.dtype)))
+    return ops

@@ -2,45 +2,63 @@
 
 Data flow for one training step with K stages and M micro-batches:
 
-    micro-batch m --stage 0 (device 0)--> h1[m] --stage 1 (device 1)--> ... y_pred[m]
-    loss[m] = loss_fn(m, y_pred[m])                       (on the last device)
+    micro-batch m --stage 0 (device 0)--> b1[m] --stage 1 (device 1)--> ... y_pred[m]
     every action in the schedule's order, stage k under its device:
-        d(inputs of k), d(vars of k) = grad(outputs of k; output_gradients)
+      F(k, m): stage k's forward on micro-batch m (last stage: and its loss parts)
+      B(k, m): d(inputs of k), d(variables used by k) from
+               - the next stage's input gradients (k < K - 1), or
+               - the loss itself (k = K - 1): the numerators S_jm seeded with
+                 weight_j / D_j (`tfpipe.loss`), never through d loss / d y_pred,
+                 which Keras' crossentropy on a softmax/sigmoid output leaves
+                 unconnected (it reads the hidden logits);
+               - the stage's own call losses, seeded with m's share of the batch.
 
-Each stage's backward is its own `tape.gradient` under its own `tf.device`
-with `output_gradients` from the next stage: one global `tape.gradient` would
-place the whole backward pass on the default device. Gradients are summed over
-micro-batches on the stage's device and returned for one optimizer update.
+Each stage's backward is its own `tape.gradient` under its own `tf.device`:
+one global `tape.gradient` would place the whole backward pass on the default
+device. Gradients are summed per variable over micro-batches and over every
+stage that uses the variable (a shared layer, a tied embedding), on the
+variable's own device, and returned for one optimizer update. Boundaries carry
+Keras masks explicitly (`tfpipe.boundary`). A trainable variable that no
+gradient reaches is reported by `PipelinedModel`, never fed a zero.
 """
 
 import tensorflow as tf
 
 from tfpipe import _internal
+from tfpipe import batchnorm
+from tfpipe import boundary
+from tfpipe import gradients as gradients_lib
+from tfpipe import loss as loss_lib
 from tfpipe import recompute as recompute_lib
 from tfpipe import schedules
 
 
 def _is_float(t):
-    return t is not None and t.dtype.is_floating
+    return isinstance(t, tf.Tensor) and t.dtype.is_floating
 
 
-def _float_leaves(structure):
-    return [t for t in tf.nest.flatten(structure) if _is_float(t)]
+float_leaves = boundary.float_leaves
 
 
-def _add_gradients(acc, grad):
-    if grad is None:
-        return acc
-    if acc is None:
-        return grad
-    if isinstance(acc, tf.IndexedSlices) and isinstance(grad, tf.IndexedSlices):
-        # Concatenated slices sum on application; no dense [vocab, d] buffer.
-        return tf.IndexedSlices(
-            tf.concat([acc.values, grad.values], 0),
-            tf.concat([acc.indices, grad.indices], 0),
-            acc.dense_shape,
-        )
-    return tf.convert_to_tensor(acc) + tf.convert_to_tensor(grad)
+def _sum(values):
+    values = [tf.cast(v, tf.float32) for v in values if v is not None]
+    return tf.add_n(values) if values else None
+
+
+class StepResult:
+    """What one traced training step produced.
+
+    Attributes:
+      y_pred: the last stage's outputs for the whole batch (rows in order,
+        Keras masks and logits attached), for metrics.
+      loss: the step's loss as Keras reports it (float32 scalar, unscaled).
+      term_values: per compiled loss term, its batch value (Keras' per-output
+        `<name>_loss` metrics).
+      grads: one gradient per `Pipeline.variables` entry (None: unconnected).
+    """
+
+    def __init__(self, y_pred, loss, term_values, grads):
+        self.y_pred, self.loss, self.term_values, self.grads = y_pred, loss, term_values, grads
 
 
 class Pipeline:
@@ -51,17 +69,17 @@ class Pipeline:
         of stage k-1 to its own (any nest of tensors, batch on axis 0).
       devices: list of D device names (as `tfpipe.placement.canonical_device`);
         stage k runs on `devices[schedule.stage_device(k, D)]`.
-      schedule: a `tfpipe.schedules.Schedule`; K must be
-        `schedule.num_stages(D)`.
-      recompute: one of `tfpipe.recompute.RECOMPUTE_MODES`.
+      config: the model's `tfpipe.config.PipelineConfig` (schedule, recompute,
+        BatchNorm mode and M are read from it).
       enforce_order: add control dependencies so each device runs its actions
         in exactly the schedule's order (as one accelerator stream would).
     """
 
-    def __init__(self, stages, devices, schedule, recompute, enforce_order=True):
+    def __init__(self, stages, devices, config, enforce_order=True):
         self.stages = list(stages)
         self.devices = list(devices)
-        self.schedule = schedules.get(schedule)
+        self.config = config
+        self.schedule = config.schedule
         expected = self.schedule.num_stages(len(self.devices))
         if len(self.stages) != expected:
             raise ValueError(
@@ -70,7 +88,7 @@ class Pipeline:
             )
         self.stage_device = [self.schedule.stage_device(k, len(self.devices))
                              for k in range(len(self.stages))]
-        self.recompute = recompute_lib.validate(recompute)
+        self.recompute = recompute_lib.validate(config.recompute)
         self.enforce_order = enforce_order
         # Benchmarks on CPU set this: every op of a device then runs one after
         # another in trace order, as on an accelerator's stream. Without it a
@@ -86,26 +104,56 @@ class Pipeline:
     def num_stages(self):
         return len(self.stages)
 
+    @property
+    def num_microbatches(self):
+        return self.config.num_microbatches
+
     def run_order(self, num_microbatches):
         """The validated (device, action) order the step is traced in."""
         return schedules.validate(self.schedule, num_microbatches, len(self.devices))
 
-    # -- helpers ---------------------------------------------------------
+    # -- variables ---------------------------------------------------------
+
+    @property
+    def variables(self):
+        """The distinct trainable variables of all stages, in stage order."""
+        return self._variable_table()[0]
+
+    def stage_of_variables(self):
+        """For each of `variables`, the stages that use it (first: its home)."""
+        return self._variable_table()[2]
+
+    def _variable_table(self):
+        unique, index, users = [], {}, []
+        per_stage = []
+        for k, stage in enumerate(self.stages):
+            mine = []
+            for v in stage.trainable_variables:
+                if id(v) not in index:
+                    index[id(v)] = len(unique)
+                    unique.append(v)
+                    users.append([])
+                i = index[id(v)]
+                if i not in mine:
+                    mine.append(i)
+                    users[i].append(k)
+            per_stage.append(mine)
+        return unique, per_stage, users
+
+    # -- stage calls ---------------------------------------------------------
 
     def _call(self, k, inputs, training):
+        """Stage k on `inputs`; returns (outputs, its call losses summed or None)."""
         self.trace_calls[k] += 1
         out = self.stages[k](inputs, training=training)
-        extra = [tf.cast(l, tf.float32) for l in self.stages[k].losses]
-        return out, (tf.add_n(extra) if extra else None)
+        return out, _sum(_internal.call_losses(self.stages[k]))
 
     def _after_previous(self, last, d, structure):
         """`structure`, made to wait for device d's previous action."""
         if not self.enforce_order or last[d] is None:
             return structure
         with tf.control_dependencies([last[d]]):
-            return tf.nest.map_structure(
-                lambda t: None if t is None else tf.identity(t), structure
-            )
+            return _identity(structure)
 
     @staticmethod
     def _stamp(timeline, after):
@@ -125,117 +173,102 @@ class Pipeline:
         if stamp is None:
             return structure
         with tf.control_dependencies([stamp]):
-            return tf.nest.map_structure(
-                lambda t: None if t is None else tf.identity(t), structure)
+            return _identity(structure)
+
+    # -- planning ------------------------------------------------------------
+
+    def probe(self, batch, training, split=None, connectivity=False, around_stage=None):
+        """The stages' `boundary.Interface`s for this batch; with `split` (a
+        `tfpipe.loss.LossSplit`) also builds and classifies the loss terms."""
+        x0, y0, sw0 = batch.micro(0)
+
+        def on_output(y_pred, extra):
+            if split is None:
+                return []
+            y_true, sample_weight = extra
+            with tf.init_scope():
+                split.build(y_true, y_pred)
+            return split.classify(y_true, y_pred, sample_weight)
+
+        return boundary.probe(self.stages, x0, training, extra=(y0, sw0), on_output=on_output,
+                              connectivity=connectivity, around_stage=around_stage)
+
+    def _forwards_first(self, order):
+        last = self.num_stages - 1
+        positions = [i for i, (_, a) in enumerate(order) if a.stage == last]
+        first_b = min((i for i in positions if order[i][1].kind == "B"), default=None)
+        last_f = max(i for i in positions if order[i][1].kind == "F")
+        return first_b is None or last_f < first_b
 
     # -- forward only (evaluate / predict) ---------------------------------
 
-    def forward(self, inputs, training=False):
+    def forward(self, batch, training=False):
         """Runs the schedule's forward actions, in its order, without gradients.
 
         Args:
-          inputs: list of M input structures (micro-batches).
+          batch: a `tfpipe.microbatch.Batch`.
         Returns:
-          (outputs, extra_losses): M output structures of the last stage, and
-          the M * K stage losses (`layer.losses`, may be None) as a flat list.
+          (y_pred, call_loss): the last stage's outputs for the whole batch
+          (metadata attached) and the stages' call losses, each micro-batch
+          weighted by its share of the batch (float32 scalar or None).
         """
-        m_count, k_count = len(inputs), self.num_stages
-        acts = {(0, m): inputs[m] for m in range(m_count)}
+        m_count, k_count = batch.num_microbatches, self.num_stages
+        interfaces = self.probe(batch, training)
+        acts = {}
         last = [None] * len(self.devices)
-        extras = []
+        outputs, call_terms = [None] * m_count, []
         for d, action in self.run_order(m_count):
             if action.kind != "F":
                 continue
             k, m = action.stage, action.microbatch
             with tf.device(self.devices[d]):
-                h = self._after_previous(last, d, acts.pop((k, m)))
+                if k == 0:
+                    h = self._after_previous(last, d, batch.micro(m)[0])
+                else:
+                    h = boundary.unpack(self._after_previous(last, d, acts.pop((k, m))),
+                                        interfaces[k - 1])
                 out, extra = self._call(k, h, training)
-                extras.append(extra)
-                acts[(k + 1, m)] = out
-                leaves = _float_leaves(out)
+                if extra is not None:
+                    call_terms.append(extra * batch.split.fraction(m))
+                if k < k_count - 1:
+                    acts[(k + 1, m)] = boundary.pack(out, interfaces[k])
+                else:
+                    outputs[m] = out
+                leaves = float_leaves(out) or [t for t in tf.nest.flatten(out) if t is not None]
                 last[d] = leaves[0] if leaves else last[d]
-        return [acts[(k_count, m)] for m in range(m_count)], extras
+        with tf.device(self.devices[self.stage_device[-1]]):
+            y_pred = batch.split.merge(outputs)
+        return y_pred, _sum(call_terms)
 
     # -- training ------------------------------------------------------
 
-    def train(self, inputs, loss_fn, loss_coefficient, scale_loss=None, timeline=None):
+    def train(self, batch, split, scale_loss=None, timeline=None):
         """Forward and backward over all micro-batches; gradients summed.
 
         Args:
-          inputs: list of M input structures (micro-batches).
-          loss_fn: `loss_fn(m, y_pred_m)` -> scalar float32 data loss of
-            micro-batch m; called once, under the last stage's device.
-          loss_coefficient: scalar; the step loss is
-            `sum_m coeff * loss_fn(m) + sum_{m,k} stage_losses[m,k] / M`.
-          scale_loss: optional `f(loss) -> loss` applied to what is
-            differentiated (Keras `optimizer.scale_loss`, for loss scaling).
+          batch: a `tfpipe.microbatch.Batch` (inputs, labels, sample weights).
+          split: a `tfpipe.loss.LossSplit` of the model's compiled loss.
+          scale_loss: optional `f(loss) -> loss`, linear (Keras'
+            `optimizer.scale_loss`, for loss scaling); applied to every seed.
           timeline: optional list; if given, one dict per action is appended:
             device, kind, stage, microbatch (ints/str) and start, end (float64
             scalar tensors from `tf.timestamp()`, seconds).
         Returns:
-          (outputs, loss, grads): M last-stage outputs, the step loss
-          (unscaled), and a list of K lists of gradients aligned with
-          `stages[k].trainable_variables` (None where unconnected).
+          A `StepResult`.
         """
-        scale_loss = scale_loss or (lambda v: v)
-        m_count, k_count = len(inputs), self.num_stages
-        inv_m = 1.0 / m_count
-        acts = {(0, m): inputs[m] for m in range(m_count)}
-        saved = {}
-        out_grads = {}
-        outputs = [None] * m_count
-        loss_terms = []
-        last = [None] * len(self.devices)
-        grads = [[None] * len(s.trainable_variables) for s in self.stages]
-
+        step = _UnrolledStep(self, batch, split, scale_loss)
         graph = tf.compat.v1.get_default_graph()
-        last_op = [None] * len(self.devices)
-        for d, action in self.run_order(m_count):
+        last = [None] * len(self.devices)     # each device's ordering token
+        last_op = [None] * len(self.devices)  # each device's last op (serialize_ops)
+        for d, action in step.order:
             k, m = action.stage, action.microbatch
             first_op = len(graph.get_operations()) if self.serialize_ops else None
             with tf.device(self.devices[d]):
-                if action.kind == "F":
-                    h = self._after_previous(last, d, acts.pop((k, m)))
-                    start = self._stamp(timeline, _float_leaves(h) + [last[d]])
-                    h = self._after_stamp(start, h)
-                    if recompute_lib.should_recompute(self.recompute, m, m_count):
-                        seeds = self._states[k].snapshot_seeds()
-                        out, extra = self._call(k, h, True)
-                        saved[(k, m)] = ("replay", h, seeds)
-                    else:
-                        with tf.GradientTape() as tape:
-                            tape.watch(_float_leaves(h))
-                            out, extra = self._call(k, h, True)
-                            extra_target = None if extra is None else scale_loss(extra * inv_m)
-                        saved[(k, m)] = ("tape", h, tape, out, extra_target)
-                    if extra is not None:
-                        loss_terms.append(extra * inv_m)
-                    leaves = _float_leaves(out)
-                    last[d] = leaves[0] if leaves else last[d]
-                    if k < k_count - 1:
-                        acts[(k + 1, m)] = out
-                    else:
-                        outputs[m] = out
-                        with tf.GradientTape() as loss_tape:
-                            loss_tape.watch(leaves)
-                            data_loss = loss_coefficient * tf.cast(loss_fn(m, out), tf.float32)
-                            target = scale_loss(data_loss)
-                        loss_terms.append(data_loss)
-                        out_grads[(k, m)] = loss_tape.gradient(
-                            target, leaves, unconnected_gradients=tf.UnconnectedGradients.ZERO
-                        )
-                        last[d] = out_grads[(k, m)][0] if leaves else last[d]
-                    end_deps = leaves + ([] if extra is None else [extra])
-                    if k == k_count - 1:
-                        end_deps = end_deps + list(out_grads[(k, m)])
-                else:
-                    g_out = self._after_previous(last, d, out_grads.pop((k, m)))
-                    start = self._stamp(timeline, list(g_out) + [last[d]])
-                    g_out = self._after_stamp(start, g_out)
-                    done = self._backward(k, m, saved.pop((k, m)), g_out, grads, out_grads,
-                                          scale_loss, inv_m)
-                    last[d] = done if done is not None else last[d]
-                    end_deps = [done]
+                run = step.forward if action.kind == "F" else step.backward
+                inputs = self._after_previous(last, d, step.inputs(action))
+                start = self._stamp(timeline, [t for t in float_leaves(inputs)] + [last[d]])
+                token, end_deps = run(k, m, self._after_stamp(start, inputs))
+                last[d] = token if token is not None else last[d]
                 if timeline is not None:
                     end = self._stamp(timeline, end_deps)
                     last[d] = end  # the device's next action starts after this stamp
@@ -243,68 +276,271 @@ class Pipeline:
                                          start=start, end=end))
             if self.serialize_ops:
                 last_op[d] = _internal.chain_ops(graph.get_operations()[first_op:], last_op[d])
-        return outputs, tf.add_n(loss_terms), grads
+        return step.finish()
 
-    def _backward(self, k, m, record, g_out, grads, out_grads, scale_loss, inv_m):
-        """Stage k's backward for micro-batch m; returns a tensor it produced."""
-        stage_vars = self.stages[k].trainable_variables
-        if record[0] == "replay":
-            _, h, seeds = record
-            h, tape, out, extra_target = self._replay(k, h, seeds, g_out, scale_loss, inv_m)
+    def _on_home(self, variable, fn, *args):
+        with tf.device(variable.value.device):
+            return fn(*args)
+
+    def _add_regularization(self, variables, grads, scale):
+        """Adds each weight regulariser's gradient, once per step; returns
+        the summed regularisation loss (None without regularisers)."""
+        total = []
+        for i, v in enumerate(variables):
+            regularizer = getattr(v, "regularizer", None)
+            if regularizer is None:
+                continue
+            with tf.device(v.value.device):
+                with tf.GradientTape() as tape:
+                    value = tf.cast(regularizer(v), tf.float32)
+                    target = value * scale
+                grads[i] = gradients_lib.add_gradients(grads[i], tape.gradient(target, v))
+                total.append(value)
+        return _sum(total)
+
+    def _commit_batch_norm(self, recorder, before, sites_per_stage, batch):
+        """Deferred BatchNorm: one moving-statistics update per call site.
+
+        With plain BatchNorm a stand-in for an empty micro-batch would update
+        the moving statistics; such a batch (fewer rows than M) is refused at
+        run time instead.
+        """
+        ops = []
+        if (self.config.batch_norm == "plain" and batch.num_microbatches > 1
+                and any(batchnorm.batch_norm_layers(s) for s in self.stages)):
+            ops.append(tf.debugging.assert_greater_equal(
+                batch.split.num_rows, batch.num_microbatches, message=(
+                    f"a batch has fewer rows than num_microbatches="
+                    f"{batch.num_microbatches}: with batch_norm='plain' the empty "
+                    f"micro-batches would update BatchNormalization's moving statistics. "
+                    f"Use batch_norm='deferred', or batches of at least "
+                    f"{batch.num_microbatches} rows (drop_remainder=True).")))
+        for k, sites in enumerate(sites_per_stage):
+            if recorder.layers[k] and sites:
+                with tf.device(self.devices[self.stage_device[k]]):
+                    ops += batchnorm.commit(before, sites)
+        return ops
+
+    @staticmethod
+    def _after_gradient(h, g_out):
+        """`h`, made to depend (by data) on the incoming gradient.
+
+        A data dependency (not only a control one) keeps grappler from merging
+        the replay with the original forward, which would undo the memory
+        saving, and makes it run at backward time.
+        """
+        anchor = next((g for g in g_out if g is not None), None)
+        if anchor is None:
+            return h
+        probe = tf.reduce_max(tf.reshape(anchor, [-1])[:1])
+        as_bool = tf.cast(probe, tf.bool)  # a bool always equals itself:
+        zero = tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))
+        return tf.nest.map_structure(
+            lambda t: t + tf.cast(zero, t.dtype) if _is_float(t) else t, h)
+
+
+class _UnrolledStep:
+    """The state of one traced training step of the unrolled form.
+
+    `inputs(action)` gives what an action consumes (a stage input or the
+    gradients of its outputs); `forward(k, m, h)` and `backward(k, m, g_out)`
+    run it and return (ordering token, tensors it produced); `finish()`
+    returns the `StepResult`.
+    """
+
+    def __init__(self, pipeline, batch, split, scale_loss):
+        self.pipeline, self.batch, self.split = pipeline, batch, split
+        m_count, k_count = batch.num_microbatches, pipeline.num_stages
+        self.m_count, self.k_count = m_count, k_count
+        self.order = pipeline.run_order(m_count)
+        self.interfaces = pipeline.probe(batch, True, split)
+        self.plan = loss_lib.Plan(split, batch.split.num_rows,
+                                  pipeline._forwards_first(self.order),  # pylint: disable=protected-access
+                                  any(i.call_losses for i in self.interfaces))
+        self.scale = tf.cast((scale_loss or (lambda v: v))(tf.constant(1.0)), tf.float32)
+        self.variables, self.stage_vars, _ = pipeline._variable_table()  # pylint: disable=protected-access
+        self.recorder = batchnorm.Recorder(
+            pipeline.stages, pipeline.config.batch_norm == "deferred" and m_count > 1)
+        self.bn_before = self.recorder.before_step()
+        self.bn_calls = [[None] * m_count for _ in range(k_count)]
+        n_terms = len(split.terms)
+        self.numerators = [[] for _ in range(n_terms)]
+        self.divisors = [[] for _ in range(n_terms)]
+        self.seeds = None  # the last stage's numerator seeds, made at its first backward
+        self.acts, self.saved, self.out_grads = {}, {}, {}
+        self.outputs = [None] * m_count
+        self.call_terms = []
+        self.grads = [None] * len(self.variables)
+        self.unique_rows = set()  # variables whose slices are merged row by row
+
+    def inputs(self, action):
+        k, m = action.stage, action.microbatch
+        if action.kind == "F":
+            return self.batch.micro(m)[0] if k == 0 else self.acts.pop((k, m))
+        if k < self.k_count - 1:
+            return self.out_grads.pop((k, m))
+        if self.seeds is None:
+            self.seeds = self.plan.seeds(self._divisor_sums())
+        return [s * self.scale for s in self.seeds]
+
+    def _divisor_sums(self):
+        return [_sum(ds) if ds and ds[0] is not None else None for ds in self.divisors]
+
+    def forward(self, k, m, packed):
+        """F(k, m) on the stage's input boundary `packed` (stage 0: the inputs)."""
+        pipeline, is_last = self.pipeline, k == self.k_count - 1
+        run = self._forward_fn(k, m, packed)
+        with self.recorder.forward(k, self.batch.split.real(m)) as calls:
+            if recompute_lib.should_recompute(pipeline.recompute, m, self.m_count):
+                seeds_state = pipeline._states[k].snapshot_seeds()  # pylint: disable=protected-access
+                out, extra, parts = run()
+                self.saved[(k, m)] = ("replay", packed, seeds_state)
+            else:
+                with tf.GradientTape() as tape:
+                    tape.watch(float_leaves(packed) if k else [])
+                    out, extra, parts = run()
+                self.saved[(k, m)] = ("tape", packed, tape, self._pack(k, out), extra, parts)
+        self.bn_calls[k][m] = calls
+        if extra is not None:
+            self.call_terms.append(extra * self.batch.split.fraction(m))
+        if is_last:
+            self.outputs[m] = out
+            for j, (s, divisor, _) in enumerate(parts):
+                self.numerators[j].append(s)
+                self.divisors[j].append(divisor)
         else:
-            _, h, tape, out, extra_target = record
-        sources = _float_leaves(h)
-        targets = _float_leaves(out)
-        seeds_grad = list(g_out)
-        if extra_target is not None:
-            targets.append(extra_target)
-            seeds_grad.append(tf.ones_like(extra_target))
-        all_grads = tape.gradient(
-            targets,
-            sources + list(stage_vars),
-            output_gradients=seeds_grad,
-            unconnected_gradients=tf.UnconnectedGradients.NONE,
-        )
-        input_grads = all_grads[: len(sources)]
-        for i, g in enumerate(all_grads[len(sources):]):
-            grads[k][i] = _add_gradients(grads[k][i], g)
+            self.acts[(k + 1, m)] = self._pack(k, out)
+        produced = (float_leaves(out) or [t for t in tf.nest.flatten(out)
+                                          if isinstance(t, tf.Tensor)])
+        produced += [s for s, _, _ in parts]
+        return (produced[0] if produced else None), produced + (
+            [] if extra is None else [extra])
+
+    def _pack(self, k, out):
+        return out if k == self.k_count - 1 else boundary.pack(out, self.interfaces[k])
+
+    def _forward_fn(self, k, m, packed):
+        return _Forward(self.pipeline, k, packed, self.interfaces[k - 1] if k else None,
+                        k == self.k_count - 1, self.split, self.batch, m)
+
+    def backward(self, k, m, g_out):
+        """B(k, m) given the gradients of the stage's output boundary (last
+        stage: the loss terms' seeds)."""
+        pipeline, is_last = self.pipeline, k == self.k_count - 1
+        record = self.saved.pop((k, m))
+        if record[0] == "replay":
+            _, packed, seeds_state = record
+            # A replay makes new tensors; `_Forward` unpacks the Keras masks
+            # and logits back onto them.
+            packed = pipeline._after_gradient(packed, g_out)  # pylint: disable=protected-access
+            run = self._forward_fn(k, m, packed)
+
+            def replay():
+                with tf.GradientTape() as tape:
+                    tape.watch(float_leaves(packed) if k else [])
+                    result = run()
+                return tape, result
+
+            tape, (out, extra, parts) = pipeline._states[k].replay(seeds_state, replay)  # pylint: disable=protected-access
+            out = self._pack(k, out)
+        else:
+            _, packed, tape, out, extra, parts = record
+        sources = float_leaves(packed) if k else []
+        if is_last:
+            targets, seeds = [s for s, _, _ in parts], list(g_out)
+        else:
+            pairs = [(t, g) for t, g in zip(float_leaves(out), g_out) if g is not None]
+            targets, seeds = [t for t, _ in pairs], [g for _, g in pairs]
+        if extra is not None:
+            targets.append(extra)
+            seeds.append(tf.cast(self.batch.split.fraction(m) * self.scale, extra.dtype))
+        mine = self.stage_vars[k]
+        stage_variables = [self.variables[i] for i in mine]
+        if targets:
+            all_grads = tape.gradient(
+                targets, sources + stage_variables, output_gradients=seeds,
+                unconnected_gradients=tf.UnconnectedGradients.NONE)
+        else:
+            all_grads = [None] * (len(sources) + len(stage_variables))
+        for i, g in zip(mine, all_grads[len(sources):]):
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices) and gradients_lib.gathers_unique_rows(g):
+                self.unique_rows.add(i)
+            self.grads[i] = pipeline._on_home(  # pylint: disable=protected-access
+                self.variables[i], gradients_lib.add_gradients, self.grads[i], g)
         if k > 0:
-            out_grads[(k - 1, m)] = [
-                tf.zeros_like(s) if g is None else tf.convert_to_tensor(g)
-                for s, g in zip(sources, input_grads)
-            ]
+            self.out_grads[(k - 1, m)] = [None if g is None else tf.convert_to_tensor(g)
+                                          for g in all_grads[: len(sources)]]
         # The token the device's next action waits for: it exists only once
         # everything this action produced does (input gradients and the summed
         # weight gradients). Ordering on the input gradient alone let TF run
         # the weight-gradient ops late, keeping every micro-batch's tensors
         # alive and undoing the memory recompute saves.
-        produced = list(out_grads.get((k - 1, m), [])) + [
-            t for g in grads[k] if g is not None
-            for t in ((g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
+        produced = [g for g in self.out_grads.get((k - 1, m), []) if g is not None] + [
+            t for i in mine if self.grads[i] is not None
+            for t in ((self.grads[i].values, self.grads[i].indices)
+                      if isinstance(self.grads[i], tf.IndexedSlices) else (self.grads[i],))]
         if not produced:
-            return None
+            return None, []
         with tf.control_dependencies(produced):
-            return tf.identity(produced[0])
+            token = tf.identity(produced[0])
+        return token, [token]
 
-    def _replay(self, k, h, seeds, g_out, scale_loss, inv_m):
-        """Recomputes stage k under a tape, after its output gradient exists."""
-        if g_out:
-            # A data dependency (not only a control one) keeps grappler from
-            # merging the replay with the original forward, which would undo
-            # the memory saving, and makes it run at backward time.
-            probe = tf.reduce_max(tf.reshape(g_out[0], [-1])[:1])
-            as_bool = tf.cast(probe, tf.bool)  # a bool always equals itself:
-            zero = tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))
-            h = tf.nest.map_structure(
-                lambda t: t + tf.cast(zero, t.dtype) if _is_float(t) else t, h
-            )
+    def finish(self):
+        pipeline, variables = self.pipeline, self.variables
+        grads = [pipeline._on_home(v, gradients_lib.merge_rows, g)  # pylint: disable=protected-access
+                 if i in self.unique_rows and isinstance(g, tf.IndexedSlices) else g
+                 for i, (v, g) in enumerate(zip(variables, self.grads))]
+        divisor_sums = self._divisor_sums()
+        final_scale = self.plan.final_scale(divisor_sums)
+        if final_scale is not None:
+            grads = [pipeline._on_home(v, gradients_lib.scale_gradient, g, final_scale)  # pylint: disable=protected-access
+                     for v, g in zip(variables, grads)]
+        reg_total = pipeline._add_regularization(variables, grads, self.scale)  # pylint: disable=protected-access
+        bn_ops = pipeline._commit_batch_norm(  # pylint: disable=protected-access
+            self.recorder, self.bn_before,
+            [batchnorm.stack_sites(calls) if all(c is not None for c in calls) else []
+             for calls in self.bn_calls], self.batch)
+        with tf.device(pipeline.devices[pipeline.stage_device[-1]]):
+            data_loss, term_values = self.plan.values(
+                [_sum(ns) if ns else tf.zeros(()) for ns in self.numerators], divisor_sums)
+            loss = tf.add_n([data_loss] + [t for t in (_sum(self.call_terms), reg_total)
+                                           if t is not None])
+            y_pred = self.batch.split.merge(self.outputs)
+        if bn_ops:
+            with tf.control_dependencies(bn_ops):
+                loss = tf.identity(loss)
+        return StepResult(y_pred, loss, term_values, grads)
 
-        def run():
-            with tf.GradientTape() as tape:
-                tape.watch(_float_leaves(h))
-                out, extra = self._call(k, h, True)
-                extra_target = None if extra is None else scale_loss(extra * inv_m)
-            return tape, out, extra_target
 
-        tape, out, extra_target = self._states[k].replay(seeds, run)
-        return h, tape, out, extra_target
+class _Forward:
+    """One stage's forward on one micro-batch, with the loss parts when it is
+    the last stage: `run()` -> (outputs, call losses or None, loss parts).
+
+    `packed` is the stage's input boundary (`tfpipe.boundary`), unpacked here
+    so that the Keras masks and logits ride on the tensors the stage sees.
+    """
+
+    def __init__(self, pipeline, k, packed, interface, is_last, split, batch, m):
+        self.pipeline, self.k, self.packed, self.interface = pipeline, k, packed, interface
+        self.is_last, self.split, self.batch, self.m = is_last, split, batch, m
+
+    def __call__(self):
+        h = self.packed if self.interface is None else boundary.unpack(self.packed,
+                                                                       self.interface)
+        out, extra = self.pipeline._call(self.k, h, True)  # pylint: disable=protected-access
+        parts = []
+        if self.is_last:
+            _, y_true, sample_weight = self.batch.micro(self.m)
+            real = self.batch.split.real(self.m)  # 0: a stand-in for an empty micro-batch
+            parts = [(s * tf.cast(real, s.dtype), None if d is None else d * tf.cast(real, d.dtype),
+                      per_row)
+                     for s, d, per_row in self.split.parts(y_true, out, sample_weight)]
+        return out, extra, parts
+
+
+def _identity(structure):
+    """tf.identity of every dense tensor of a nest (others pass through)."""
+    return tf.nest.map_structure(
+        lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, structure)

@@ -17,9 +17,11 @@ the model's input structure, the last stage returns the model's output
 structure; between stages a single crossing tensor is passed as a tensor, two
 or more as a list (in the order they were produced).
 
-A layer called at several nodes (a shared layer, or a nested model called
-twice) cannot be cut into copies without untying its weights: `model_graph`
-raises ValueError naming it.
+Nothing is copied: every unit calls the user's own layer object. A layer
+called at several nodes (a shared layer, GPT-2's tied token embedding, a
+nested model called twice) becomes several units that share that one object,
+possibly in different stages; its variables live on the first stage's device
+and every stage that uses them adds to their gradient (`tfpipe.engine`).
 
 >>> import keras
 >>> inputs = keras.Input((4,))
@@ -37,8 +39,7 @@ raises ValueError naming it.
 import keras
 import tensorflow as tf
 
-_REF_KEY = "__tfpipe_tensor__"
-
+from tfpipe import _internal
 
 class Ref:
     """A placeholder for graph tensor number `id` inside a call template."""
@@ -70,24 +71,6 @@ def refs(template):
 def fill(template, env):
     """`template` with every `Ref(i)` replaced by `env[i]`."""
     return map_template(lambda leaf: env[leaf.id] if isinstance(leaf, Ref) else leaf, template)
-
-
-def template_to_config(template):
-    """A JSON-friendly copy of a template (`Ref(i)` -> `{"__tfpipe_tensor__": i}`)."""
-    return map_template(lambda leaf: {_REF_KEY: leaf.id} if isinstance(leaf, Ref) else leaf, template)
-
-
-def template_from_config(config):
-    """Inverse of `template_to_config`; also undoes Keras' tuple encoding."""
-    if isinstance(config, dict):
-        if set(config) == {_REF_KEY}:
-            return Ref(config[_REF_KEY])
-        if config.get("class_name") == "__tuple__" and "config" in config:
-            return tuple(template_from_config(v) for v in config["config"]["value"])
-        return {k: template_from_config(v) for k, v in config.items()}
-    if isinstance(config, (list, tuple)):
-        return type(config)(template_from_config(v) for v in config)
-    return config
 
 
 class Unit:
@@ -168,6 +151,31 @@ class Graph:
         return self.specs[refs(self.inputs)[0]][1]
 
     @property
+    def input_names(self):
+        """Names of the model's inputs (its `keras.Input`s), in flat order."""
+        if self.sequential:
+            return []
+        return [getattr(t, "name", None) for t in tf.nest.flatten(self.model.input)]
+
+    def standardize_inputs(self, x):
+        """`x` arranged as the model's input structure, as Keras' functional
+        model arranges it: a dict keyed by Input name for a model whose
+        inputs are a list (or one tensor) is put in input order."""
+        template = self.inputs
+        if not isinstance(x, dict) or isinstance(template, dict):
+            return x
+        names = self.input_names
+        missing = [n for n in names if n not in x]
+        if missing:
+            raise ValueError(
+                f"The inputs are a dict with keys {sorted(x)}, but model "
+                f"{self.model.name!r} takes inputs named {names}; missing {missing}. "
+                f"Key the dict by the keras.Input names, or pass a list in input order.")
+        if isinstance(template, Ref):
+            return x[names[0]]
+        return type(template)(x[n] for n in names)
+
+    @property
     def unit_name(self):
         """What a balance count counts, for messages."""
         return "layers" if self.sequential else "operations (layers and ops)"
@@ -178,14 +186,18 @@ def _is_functional(op):
 
 
 class _Reader:
-    """Walks a (possibly nested) functional model into `Unit`s."""
+    """Walks a (possibly nested) functional model into `Unit`s.
+
+    Tensor ids are scoped: a nested model inlined twice (a siamese tower)
+    gets fresh ids for its inner tensors each time, and a layer called at
+    several nodes becomes several units that share the one layer object.
+    """
 
     def __init__(self, model):
         self.model = model
-        self.ids = {}        # id(KerasTensor) -> int
+        self.ids = {}        # id(KerasTensor) -> int, in the current scope
         self.specs, self.names = {}, {}
         self.units = []
-        self.seen_ops = {}   # id(op) -> name of the model it was found in
 
     def fresh_id(self, spec, name):
         i = len(self.specs)
@@ -210,45 +222,10 @@ class _Reader:
             return x
         return map_template(leaf, structure)
 
-    def claim(self, op, container, calls=1):
-        if id(op) in self.seen_ops or calls > 1:
-            where = (f"{calls} times in {container!r}" if calls > 1 else
-                     f"in {self.seen_ops[id(op)]!r} and in {container!r}")
-            raise ValueError(
-                f"from_model cannot cut {self.model.name!r}: layer {op.name!r} is "
-                f"called at more than one node (a shared layer; called {where}). "
-                f"Copies in different stages would no longer share weights. Pass "
-                f"the stages explicitly with PipelinedModel(stages=[...]), keeping "
-                f"the shared layer's calls in one stage."
-            )
-        self.seen_ops[id(op)] = container
-
     def read_functional(self, fn):
         """Adds the units of functional `fn`; its inputs must already have ids."""
-        input_ids = {id(t) for t in fn.inputs}
-        nodes = {}   # id(op) -> list of nodes of fn's graph
-        stack, visited = list(fn.outputs), set()
-        while stack:
-            tensor = stack.pop()
-            if id(tensor) in input_ids or id(tensor) in visited:
-                continue
-            visited.add(id(tensor))
-            history = getattr(tensor, "_keras_history", None)
-            if history is None or history.operation is None:
-                raise ValueError(
-                    f"from_model: a tensor of {fn.name!r} has no Keras history; "
-                    f"only functional models built from keras.Input can be cut."
-                )
-            node = history.operation._inbound_nodes[history.node_index]
-            found = nodes.setdefault(id(history.operation), [])
-            if all(n is not node for n in found):
-                found.append(node)
-            stack.extend(node.arguments.keras_tensors)
-        for op in fn.operations:
-            if isinstance(op, keras.layers.InputLayer) or id(op) not in nodes:
-                continue
-            self.claim(op, fn.name, calls=len(nodes[id(op)]))
-            self.read_node(op, nodes[id(op)][0])
+        for op, node in _nodes_in_order(fn):
+            self.read_node(op, node)
 
     def read_node(self, op, node):
         args, kwargs = node.arguments.args, dict(node.arguments.kwargs)
@@ -258,25 +235,29 @@ class _Reader:
         template = self.template((args, kwargs), f"layer {op.name!r}")
         outputs = node.outputs
         names = [op.name] if len(outputs) == 1 else [f"{op.name}:{i}" for i in range(len(outputs))]
-        out_ids = [self.new_id(t, n) for t, n in zip(outputs, names)]
+        out_ids = [self.fresh_id(t, n) for t, n in zip(outputs, names)]
+        self.ids.update((id(t), i) for t, i in zip(outputs, out_ids))
         self.units.append(Unit(op, template[0], template[1], out_ids))
 
     def inline(self, sub, node, args, kwargs):
         inputs = args[0] if args else kwargs.pop("inputs", None)
         kwargs.pop("training", None)  # replaced by the stage's training flag, as Keras does
-        extra = {k: v for k, v in kwargs.items() if not (k == "mask" and v is None)}
-        if len(args) > 1 or extra:
+        # Keras records the mask it auto-fills from the inputs (all None when
+        # they carry none): only a real mask is an extra argument.
+        if "mask" in kwargs and all(m is None for m in tf.nest.flatten(kwargs["mask"])):
+            kwargs.pop("mask")
+        if len(args) > 1 or kwargs:
             raise ValueError(
                 f"from_model cannot inline the nested model {sub.name!r}: it is "
-                f"called with extra arguments {sorted(extra) or list(args[1:])}. Call it "
+                f"called with extra arguments {sorted(kwargs) or list(args[1:])}. Call it "
                 f"on its inputs only, or pass the stages explicitly."
             )
         outer = tf.nest.flatten(inputs)
+        outer_ids = self.ids
         if isinstance(sub, keras.Sequential):
             layers = [l for l in sub.layers if not isinstance(l, keras.layers.InputLayer)]
             current = self.template(outer[0], f"nested model {sub.name!r}")
             for layer in layers:
-                self.claim(layer, sub.name)
                 shape, dtype = self.specs[current.id]
                 out = layer.compute_output_spec(keras.KerasTensor(shape, dtype))
                 new = self.fresh_id(out, layer.name)
@@ -284,12 +265,13 @@ class _Reader:
                 current = Ref(new)
             final = [current.id]
         else:
-            inner = list(sub.inputs)
+            inner = tf.nest.flatten(sub.input)
             if len(inner) != len(outer):
                 raise ValueError(
                     f"from_model: nested model {sub.name!r} takes {len(inner)} inputs, "
                     f"called with {len(outer)}."
                 )
+            scope = {}
             for i, o in zip(inner, outer):
                 ref = self.template(o, f"nested model {sub.name!r}")
                 if (len(i.shape) != len(o.shape)
@@ -300,11 +282,65 @@ class _Reader:
                         f"{i.name!r} is {i.dtype}{tuple(i.shape)} but receives "
                         f"{o.dtype}{tuple(o.shape)}."
                     )
-                self.ids[id(i)] = ref.id
-            self.read_functional(sub)
-            final = [self.ids[id(t)] for t in sub.outputs]
+                scope[id(i)] = ref.id
+            self.ids = scope
+            try:
+                self.read_functional(sub)
+                final = [self.ids[id(t)] for t in tf.nest.flatten(sub.output)]
+            finally:
+                self.ids = outer_ids
         for tensor, tensor_id in zip(node.outputs, final):
             self.ids[id(tensor)] = tensor_id
+
+
+def _nodes_in_order(fn):
+    """The (operation, node) calls that compute `fn`'s outputs, in an order
+    where every call comes after the calls that make its inputs.
+
+    Ties keep `fn.operations`' order (then the node's), so a model with no
+    shared layer reads exactly as `fn.operations`.
+    """
+    input_ids = {id(t) for t in tf.nest.flatten(fn.input)}
+    rank = {id(op): i for i, op in enumerate(fn.operations)}
+    nodes, deps = {}, {}   # key -> (op, node); key -> keys it waits for
+    stack = list(tf.nest.flatten(fn.output))
+    seen = set()
+    while stack:
+        tensor = stack.pop()
+        if id(tensor) in input_ids or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        op, node, index = _internal.producing_node(tensor)
+        if op is None:
+            raise ValueError(
+                f"from_model: a tensor of {fn.name!r} has no Keras history; "
+                f"only functional models built from keras.Input can be cut."
+            )
+        key = (rank.get(id(op), len(rank)), index, id(op))
+        if key in nodes:
+            continue
+        nodes[key] = (op, node)
+        deps[key] = []
+        for t in node.arguments.keras_tensors:
+            if id(t) in input_ids:
+                continue
+            p_op, _, p_index = _internal.producing_node(t)
+            if p_op is not None:
+                deps[key].append((rank.get(id(p_op), len(rank)), p_index, id(p_op)))
+            stack.append(t)
+    ordered, done = [], set()
+    pending = sorted(nodes)
+    while pending:
+        for key in pending:
+            if all(d in done or d not in nodes for d in deps[key]):
+                ordered.append(key)
+                done.add(key)
+                pending.remove(key)
+                break
+        else:
+            raise ValueError(f"from_model: the graph of {fn.name!r} has a cycle.")
+    return [nodes[key] for key in ordered
+            if not isinstance(nodes[key][0], keras.layers.InputLayer)]
 
 
 def as_graph(model_or_graph):
@@ -398,48 +434,22 @@ def boundaries(graph, balance):
     return [[graph.names[i] for i in ids] for ids in crossing]
 
 
-def clone_op(op):
-    """An unbuilt copy of a layer or raw op, from its config."""
-    return op.__class__.from_config(op.get_config())
-
-
-def make_stages(graph, balance, clone=clone_op):
-    """Unbuilt stage layers for `balance`, and (original, copy) op pairs.
+def make_stages(graph, balance):
+    """Unbuilt stage layers for `balance`, holding the model's own layers.
 
     A Sequential model gives `keras.Sequential` stages; any other a
-    `GraphStage` per stage. `clone(op)` makes each copy.
+    `GraphStage` per stage. Nothing is copied: a layer called in several
+    stages (shared weights) is the same object in each.
     """
-    stages, pairs = [], []
+    stages = []
     for k, piece in enumerate(cut(graph, balance)):
-        ops = [clone(unit.op) for unit in piece.units]
-        pairs.extend((unit.op, op) for unit, op in zip(piece.units, ops))
         if graph.sequential:
-            stages.append(keras.Sequential(ops, name=f"stage_{k}"))
+            stages.append(keras.Sequential([u.op for u in piece.units], name=f"stage_{k}"))
             continue
         specs = {i: graph.specs[i] for i in refs(piece.inputs)}
-        stages.append(GraphStage(ops, piece.units, piece.inputs, piece.outputs, specs,
+        stages.append(GraphStage(piece.units, piece.inputs, piece.outputs, specs,
                                  name=f"stage_{k}"))
-    return stages, pairs
-
-
-def copy_weights(pairs):
-    """Gives each copy its original's weights (matched by name when the counts differ)."""
-    for old, new in pairs:
-        old_weights = getattr(old, "weights", [])
-        if not old_weights:
-            continue
-        if len(old_weights) == len(new.weights):
-            new.set_weights([w.numpy() for w in old_weights])
-            continue
-        by_name = {w.name: w for w in old_weights}
-        for var in new.weights:
-            if var.name in by_name:
-                var.assign(by_name.pop(var.name))
-        if by_name:
-            raise ValueError(
-                f"Cannot copy weights {sorted(by_name)} of {old.name!r} to its "
-                f"pipeline copy ({type(new).__name__})."
-            )
+    return stages
 
 
 def flatten_like(template, structure, name="this stage"):
@@ -473,17 +483,15 @@ def _is_shape(value):
     return isinstance(value, (tuple, list)) and all(d is None or isinstance(d, int) for d in value)
 
 
-@keras.saving.register_keras_serializable(package="tfpipe")
 class GraphStage(keras.layers.Layer):
     """A contiguous piece of a functional graph, run as one layer.
 
-    Usually made by `PipelinedModel.from_model`; `tfpipe.graph.cut` says what
-    crosses into and out of each piece.
+    Made by `PipelinedModel.from_model`; `tfpipe.graph.cut` says what crosses
+    into and out of each piece. It runs the model's own layer objects (not
+    copies), so their weights, adapted state and sharing stay the user's.
 
     Args:
-      operations: the layers and raw ops of the piece, one per unit, unbuilt.
-      units: `Unit`s (or their configs) saying how each operation is called;
-        `units[i].op` is ignored in favour of `operations[i]`.
+      units: the `Unit`s of the piece, in call order (`unit.op` is called).
       inputs: template (nest of `Ref`) matching the structure this stage is
         called with.
       outputs: template of what it returns.
@@ -494,32 +502,31 @@ class GraphStage(keras.layers.Layer):
     >>> out = keras.layers.Dense(4)(inputs) + inputs
     >>> graph = model_graph(keras.Model(inputs, out))
     >>> [piece] = cut(graph, [2])
-    >>> stage = GraphStage([clone_op(u.op) for u in piece.units], piece.units,
-    ...                    piece.inputs, piece.outputs,
-    ...                    {0: graph.specs[0]})
+    >>> stage = GraphStage(piece.units, piece.inputs, piece.outputs, {0: graph.specs[0]})
     >>> stage(keras.ops.ones((2, 4))).shape
     TensorShape([2, 4])
     """
 
-    def __init__(self, operations, units, inputs, outputs, input_specs, **kwargs):
+    def __init__(self, units, inputs, outputs, input_specs, **kwargs):
         kwargs.setdefault("autocast", False)  # the layers inside cast for themselves
         super().__init__(**kwargs)
-        # Only the wiring is kept (not the original model's ops): `operations`
-        # are what runs.
-        units = [Unit(None, u.args, u.kwargs, u.outputs) if isinstance(u, Unit) else
-                 Unit(None, template_from_config(u["args"]),
-                      template_from_config(u["kwargs"]), u["outputs"]) for u in units]
-        self._operations = list(operations)
+        operations, seen = [], set()
+        for unit in units:
+            if id(unit.op) not in seen:
+                seen.add(id(unit.op))
+                operations.append(unit.op)
+        # Tracked by Keras (weights, saving); each layer once.
+        self._operations = operations
         # Plain Python objects Keras does not track: how to wire the operations.
         self._program = _Program(
-            units, template_from_config(inputs), template_from_config(outputs),
+            list(units), inputs, outputs,
             {int(i): (tuple(s) if s is not None else None, d)
              for i, (s, d) in dict(input_specs).items()},
         )
 
     @property
     def operations(self):
-        """The layers and raw ops of this stage, in call order."""
+        """The distinct layers and raw ops of this stage, in first-call order."""
         return list(self._operations)
 
     @property
@@ -543,13 +550,17 @@ class GraphStage(keras.layers.Layer):
             structure = [structure]
         return flatten_like(template, structure, self.name)
 
+    def _run(self, env, training):
+        units = self._program.units
+        return run_units([u.op for u in units], units, env, training)
+
     def build(self, input_shape):
         env = {}
         for i, shape in zip(self.input_ids, self._flatten(input_shape, leaf_is_shape=True)):
             env[i] = keras.KerasTensor(tuple(shape), dtype=self._program.specs[i][1])
-        # Calling each layer on symbolic inputs builds it eagerly, here: under
-        # whatever tf.device the caller (PipelinedModel.build) has entered.
-        run_units(self._operations, self._program.units, env, training=False)
+        # Calling each layer on symbolic inputs builds any unbuilt one eagerly,
+        # here: under whatever tf.device the caller (PipelinedModel.build) entered.
+        self._run(env, training=False)
         self.built = True
 
     def call(self, inputs, training=None):
@@ -557,36 +568,17 @@ class GraphStage(keras.layers.Layer):
         for i, x in zip(self.input_ids, self._flatten(inputs)):
             shape, dtype = self._program.specs[i]
             if keras.backend.standardize_dtype(x.dtype) != dtype:
+                mask = _internal.get_keras_mask(x)
                 x = keras.ops.cast(x, dtype)  # as a functional model casts its inputs
+                if mask is not None:
+                    _internal.set_keras_mask(x, mask)
             if shape is not None and len(x.shape) == len(shape) + 1 and x.shape[-1] == 1:
                 x = keras.ops.squeeze(x, axis=-1)
             elif shape is not None and len(x.shape) == len(shape) - 1 and shape[-1] == 1:
                 x = keras.ops.expand_dims(x, axis=-1)
             env[i] = x
-        run_units(self._operations, self._program.units, env, training)
+        self._run(env, training)
         return fill(self._program.outputs, env)
-
-    def get_config(self):
-        program = self._program
-        return {
-            **super().get_config(),
-            "operations": [keras.saving.serialize_keras_object(op) for op in self._operations],
-            "units": [{"args": template_to_config(u.args),
-                       "kwargs": template_to_config(u.kwargs),
-                       "outputs": list(u.outputs)} for u in program.units],
-            "inputs": template_to_config(program.inputs),
-            "outputs": template_to_config(program.outputs),
-            "input_specs": [[i, list(s) if s is not None else None, d]
-                            for i, (s, d) in program.specs.items()],
-        }
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        operations = [keras.saving.deserialize_keras_object(c) for c in config.pop("operations")]
-        specs = {int(i): (s, d) for i, s, d in config.pop("input_specs")}
-        return cls(operations, config.pop("units"), config.pop("inputs"),
-                   config.pop("outputs"), specs, **config)
 
 
 class _Program:

@@ -5,15 +5,25 @@ trace time grow with M. Here the schedule becomes a constant (T, D) table of
 branch codes and micro-batch indices (`tfpipe.schedules.clock_ticks`); the
 loop body runs, for each device d under `tf.device`, a `tf.switch_case` over
 d's possible actions (idle, F of each of its stages, B of each). The body is
-traced once, whatever M is.
+traced once, whatever M is. It computes exactly what the unrolled step does
+(same loss parts, seeds, deferred BatchNorm and boundary masks); only where
+state lives differs.
 
 State carried from tick to tick (all written once per micro-batch):
-  acts[k]   stage k's input for every micro-batch (k >= 1)     TensorArrays
-  outs      the last stage's output per micro-batch            TensorArrays
-  seeds[k]  stage k's RNG state before each micro-batch's F    TensorArrays
-  gin[k]    d loss / d (stage k's output) per micro-batch      TensorArrays
-  grads[k]  stage k's gradients summed over micro-batches      dense tensors
-  loss[d]   loss terms added on device d                       scalar
+  acts[k]   stage k's input boundary for every micro-batch (k >= 1)  TensorArrays
+  outs      the last stage's output boundary per micro-batch          TensorArrays
+  seeds[k]  stage k's RNG state before each micro-batch's F          TensorArrays
+  gin[k]    d loss / d (stage k's connected float outputs)            TensorArrays
+  bn[k]     stage k's BatchNorm call statistics (deferred mode)       TensorArrays
+  grads[d]  device d's gradients per variable (`_GradientSlot`)     tensors / TensorArrays
+  extra[d]  call losses added on device d, weighted                  scalar
+  num, div  the loss terms' numerators and divisor parts, summed      scalars
+
+Micro-batches may differ in size by a row (`tfpipe.microbatch`), so the
+TensorArrays hold elements with a free batch dimension and outputs are
+concatenated. Which gradients exist is decided when tracing, from a traced
+probe of the backward pass (`boundary.probe(connectivity=True)`), so an
+unconnected variable is reported, never fed zeros.
 
 A tick is a barrier: the loop runs its iterations one at a time, and an
 action only reads what earlier ticks wrote (the table guarantees it), so each
@@ -21,59 +31,66 @@ device runs its actions in the schedule's order.
 
 Memory: only stage inputs are kept (every B recomputes its stage's forward),
 so this form is `recompute="always"`; a B replays the stage with the seeds
-its F used, so dropout masks match. Embedding (IndexedSlices) gradients are
-accumulated densely.
+its F used, so dropout masks match. Embedding (IndexedSlices) gradients keep
+their rows (`_GradientSlot`), as in the unrolled step.
 """
 
-import keras
 import tensorflow as tf
 
+from tfpipe import batchnorm
+from tfpipe import boundary
 from tfpipe import engine
+from tfpipe import gradients as gradients_lib
+from tfpipe import loss as loss_lib
 from tfpipe import recompute as recompute_lib
 from tfpipe import schedules
 
 
-class _Spec:
-    """Shape (batch None) and dtype of one tensor between stages; a nest leaf."""
-
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype = tf.TensorShape(shape), tf.as_dtype(dtype)
-
-    def __iter__(self):  # `shape, dtype = spec`; not a nest: tf.nest sees a leaf
-        return iter((self.shape, self.dtype))
+def _flat_specs(spec):
+    return tf.nest.flatten(spec)
 
 
-def _spec_of(t):
-    """The `_Spec` of a per-micro-batch tensor or KerasTensor."""
-    shape = tf.TensorShape(t.shape)
-    return _Spec(tf.TensorShape([None]).concatenate(shape[1:]), t.dtype)
+def _array(spec, m_count):
+    if not isinstance(spec, tf.TensorSpec):
+        raise ValueError(
+            f"execution='loop' passes dense tensors between stages; a stage returns "
+            f"{spec!r}. Use execution='unrolled' for composite tensors between stages.")
+    return tf.TensorArray(spec.dtype, size=m_count, element_shape=spec.shape,
+                          infer_shape=False, clear_after_read=False)
+
+
+def _read(arrays, specs, m):
+    flat = []
+    for ta, spec in zip(arrays, _flat_specs(specs)):
+        t = ta.read(m)
+        t.set_shape(spec.shape)
+        flat.append(t)
+    return tf.nest.pack_sequence_as(specs, flat)
+
+
+def _write(arrays, structure, m):
+    return [ta.write(m, t) for ta, t in zip(arrays, tf.nest.flatten(structure))]
+
+
+def _concat(arrays, specs):
+    flat = []
+    for ta, spec in zip(arrays, _flat_specs(specs)):
+        t = ta.concat()
+        t.set_shape(tf.TensorShape([None]).concatenate(spec.shape[1:]))
+        flat.append(t)
+    return tf.nest.pack_sequence_as(specs, flat)
 
 
 class LoopPipeline(engine.Pipeline):
     """`engine.Pipeline` whose steps are a `tf.while_loop` over clock ticks.
 
-    Same arguments as `engine.Pipeline`; `recompute` must be "always".
-    `train` and `forward` take and return micro-batches stacked on a new
-    leading axis: each input leaf has shape (M, b, ...).
+    Same arguments as `engine.Pipeline`; the config's recompute must be
+    "always". `train` and `forward` take the same `tfpipe.microbatch.Batch`.
     """
 
-    def __init__(self, stages, devices, schedule, recompute="always", enforce_order=True):
-        recompute = recompute_lib.resolve(recompute, "loop")  # raises unless "always"
-        super().__init__(stages, devices, schedule, recompute, enforce_order)
-        self._connected = None
-
-    # -- shapes of the tensors between stages ----------------------------
-
-    def _boundary_specs(self, stacked_inputs):
-        """specs[k]: nest of (shape, dtype) of stage k's input; specs[K]: output."""
-        first = tf.nest.map_structure(lambda t: _spec_of(t[0]), stacked_inputs)
-        specs = [first]
-        h = tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, dtype=s.dtype.name),
-                                  first)
-        for stage in self.stages:
-            h = stage.compute_output_spec(h)
-            specs.append(tf.nest.map_structure(_spec_of, h))
-        return specs
+    def __init__(self, stages, devices, config, enforce_order=True):
+        recompute_lib.resolve(config.recompute, "loop")  # raises unless "always"
+        super().__init__(stages, devices, config, enforce_order)
 
     # -- tables ------------------------------------------------------------
 
@@ -93,133 +110,191 @@ class LoopPipeline(engine.Pipeline):
 
     # -- training ------------------------------------------------------
 
-    def train(self, inputs, num_microbatches, loss_fn, loss_coefficient, scale_loss=None):
+    def train(self, batch, split, scale_loss=None, timeline=None):
         """One step's forward and backward as a while loop over clock ticks.
 
-        Args:
-          inputs: nest of (M, b, ...) tensors: the micro-batches, stacked.
-          num_microbatches: M (a Python int).
-          loss_fn: `loss_fn(m, y_pred_m)` with m a scalar int32 tensor.
-          loss_coefficient, scale_loss: as `engine.Pipeline.train`.
-        Returns:
-          (outputs, loss, grads): the last stage's outputs stacked (M, b, ...),
-          the step loss, and K lists of gradients (None where unconnected).
+        Same arguments and result as `engine.Pipeline.train` (no timeline).
         """
-        scale_loss = scale_loss or (lambda v: v)
-        m_count, k_count, d_count = num_microbatches, self.num_stages, len(self.devices)
-        inv_m = 1.0 / m_count
-        specs = self._boundary_specs(inputs)
-        # Per stage, which trainable variables received a gradient when traced.
-        self._connected = [[False] * len(s.trainable_variables) for s in self.stages]
+        if timeline is not None:
+            raise ValueError("The loop form records no timeline; record the unrolled form.")
+        m_count, k_count, d_count = batch.num_microbatches, self.num_stages, len(self.devices)
+        recorder = batchnorm.Recorder(
+            self.stages, self.config.batch_norm == "deferred" and m_count > 1)
+        interfaces = self.probe(batch, True, split, connectivity=True,
+                                around_stage=recorder.forward)
         ticks = schedules.clock_ticks(self.schedule, m_count, d_count)
+        forwards_first = self._forwards_first(
+            [(d, a) for row in ticks for d, a in enumerate(row) if a is not None])
+        plan = loss_lib.Plan(split, batch.split.num_rows, forwards_first,
+                             any(i.call_losses for i in interfaces))
+        scale = tf.cast((scale_loss or (lambda v: v))(tf.constant(1.0)), tf.float32)
         codes, mbs, branches = self._tick_tables(ticks)
+        variables, stage_vars, _ = self._variable_table()
+        # Which stage variables and inputs get a gradient: from the traced probe.
+        connected_vars = [[variables[i] for i, c in zip(stage_vars[k],
+                                                        interfaces[k].variables_connected) if c]
+                          for k in range(k_count)]
+        bn_before = recorder.before_step()
+        n_terms = len(split.terms)
+        var_index = {id(v): i for i, v in enumerate(variables)}
 
-        def arrays(spec, float_only=False):
-            return [tf.TensorArray(dtype, size=m_count, element_shape=shape,
-                                   clear_after_read=False)
-                    for shape, dtype in _flat_specs(spec)
-                    if not float_only or dtype.is_floating]
+        def connected_specs(k):
+            """Specs of the float leaves of boundary k that the loss reaches."""
+            floats = [s for s in _flat_specs(interfaces[k].specs)
+                      if isinstance(s, tf.TensorSpec) and s.dtype.is_floating]
+            return [s for s, c in zip(floats, interfaces[k + 1].inputs_connected) if c]
+
+        def grad_arrays(k):
+            return [_array(s, m_count) for s in connected_specs(k)]
+
+        # Per device, the variables its stages' backward passes add to.
+        device_vars = [[] for _ in range(d_count)]
+        slots = [{} for _ in range(d_count)]  # device -> variable index -> _GradientSlot
+        for k in range(k_count):
+            d = self.stage_device[k]
+            for v, c, sparse in zip(self.stages[k].trainable_variables,
+                                    interfaces[k].variables_connected,
+                                    interfaces[k].variables_sparse):
+                i = var_index[id(v)]
+                if not c:
+                    continue
+                if i not in slots[d]:
+                    device_vars[d].append(i)
+                    slots[d][i] = _GradientSlot(v, m_count)
+                slots[d][i].add_user(k, sparse)
+
+        def bn_arrays(k):
+            return [tf.TensorArray(t.dtype, size=m_count, element_shape=t.shape)
+                    for c in interfaces[k].recorded for t in (c.count, c.mean, c.variance)]
 
         state = {
-            "acts": [arrays(specs[k]) if k else [] for k in range(k_count)],
-            "outs": arrays(specs[k_count]),
+            "acts": [[_array(s, m_count) for s in _flat_specs(interfaces[k - 1].specs)]
+                     if k else [] for k in range(k_count)],
+            "outs": [_array(s, m_count) for s in _flat_specs(interfaces[-1].specs)],
             "seeds": [[tf.TensorArray(v.dtype, size=m_count, element_shape=v.shape,
                                       clear_after_read=False)
-                       for v in self._states[k]._seed_vars()]  # pylint: disable=protected-access
-                      for k in range(k_count)],
-            "gin": [arrays(specs[k + 1], float_only=True) for k in range(k_count)],
-            "grads": [[tf.zeros(v.shape, v.dtype) for v in s.trainable_variables]
-                      for s in self.stages],
-            "loss": [tf.zeros((), tf.float32) for _ in range(d_count)],
+                       for v in self._states[k].seed_variables()] for k in range(k_count)],
+            "gin": [grad_arrays(k) for k in range(k_count - 1)],
+            "bn": [bn_arrays(k) for k in range(k_count)],
+            "grads": [[slots[d][i].initial() for i in device_vars[d]] for d in range(d_count)],
+            "extra": [tf.zeros((), tf.float32) for _ in range(d_count)],
+            "num": [tf.zeros((), tf.float32) for _ in range(n_terms)],
+            "div": [tf.zeros((), tf.float32) for _ in range(n_terms)],
         }
 
         def read_input(st, k, m):
+            """Stage k's input boundary for micro-batch m (stage 0: the inputs)."""
             if k == 0:
-                return tf.nest.map_structure(lambda t: tf.gather(t, m), inputs)
-            flat = [ta.read(m) for ta in st["acts"][k]]
-            for t, (shape, _) in zip(flat, _flat_specs(specs[k])):
-                t.set_shape(shape)
-            return _pack(specs[k], flat)
+                return batch.micro(m)[0]
+            return _read(st["acts"][k], interfaces[k - 1].specs, m)
 
-        def read_gin(st, k, m):
-            flat = [ta.read(m) for ta in st["gin"][k]]
-            shapes = [s for s, dtype in _flat_specs(specs[k + 1]) if dtype.is_floating]
-            for t, shape in zip(flat, shapes):
-                t.set_shape(shape)
-            return flat
+        def forward_fn(k, m, packed):
+            return engine._Forward(self, k, packed, interfaces[k - 1] if k else None,  # pylint: disable=protected-access
+                                   k == k_count - 1, split, batch, m)
 
         def forward_branch(st, d, k, m):
             st = _copy(st)
-            h = read_input(st, k, m)
+            packed = read_input(st, k, m)
             st["seeds"][k] = [ta.write(m, s) for ta, s in
                               zip(st["seeds"][k], self._states[k].snapshot_seeds())]
+            with recorder.forward(k, batch.split.real(m)) as calls:
+                out, extra, parts = forward_fn(k, m, packed)()
+            if calls:
+                st["bn"][k] = [ta.write(m, t) for ta, t in zip(
+                    st["bn"][k], [t for c in calls for t in (c.count, c.mean, c.variance)])]
+            out_packed = boundary.pack(out, interfaces[k])
             if k < k_count - 1:
-                out, extra = self._call(k, h, True)
-                st["acts"][k + 1] = [ta.write(m, t) for ta, t in
-                                     zip(st["acts"][k + 1], tf.nest.flatten(out))]
+                st["acts"][k + 1] = _write(st["acts"][k + 1], out_packed, m)
             else:
-                out, extra = self._call(k, h, True)
-                leaves = engine._float_leaves(out)  # pylint: disable=protected-access
-                with tf.GradientTape() as loss_tape:
-                    loss_tape.watch(leaves)
-                    data_loss = loss_coefficient * tf.cast(loss_fn(m, out), tf.float32)
-                    target = scale_loss(data_loss)
-                g = loss_tape.gradient(target, leaves,
-                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                st["gin"][k] = [ta.write(m, t) for ta, t in zip(st["gin"][k], g)]
-                st["outs"] = [ta.write(m, t) for ta, t in zip(st["outs"], tf.nest.flatten(out))]
-                st["loss"][d] = st["loss"][d] + data_loss
+                st["outs"] = _write(st["outs"], batch.split.keep_real(out_packed, m), m)
+                st["num"] = [acc + tf.cast(s, tf.float32) for acc, (s, _, _) in zip(st["num"], parts)]
+                st["div"] = [acc if dp is None else acc + tf.cast(dp, tf.float32)
+                             for acc, (_, dp, _) in zip(st["div"], parts)]
             if extra is not None:
-                st["loss"][d] = st["loss"][d] + extra * inv_m
+                st["extra"][d] = st["extra"][d] + extra * batch.split.fraction(m)
             return st
 
         def backward_branch(st, d, k, m):
             st = _copy(st)
-            h = read_input(st, k, m)
-            g_out = read_gin(st, k, m)
-            seeds = [ta.read(m) for ta in st["seeds"][k]]
-            stage_vars = self.stages[k].trainable_variables
+            packed = read_input(st, k, m)
+            seeds_state = [ta.read(m) for ta in st["seeds"][k]]
+            run = forward_fn(k, m, packed)
 
-            def run():
+            def replay():
                 with tf.GradientTape() as tape:
-                    tape.watch(engine._float_leaves(h))  # pylint: disable=protected-access
-                    out, extra = self._call(k, h, True)
-                    extra_target = None if extra is None else scale_loss(extra * inv_m)
-                return tape, out, extra_target
+                    tape.watch(engine.float_leaves(packed) if k else [])
+                    result = run()
+                return tape, result
 
-            tape, out, extra_target = self._states[k].replay(seeds, run)
-            sources = engine._float_leaves(h)  # pylint: disable=protected-access
-            targets = engine._float_leaves(out)  # pylint: disable=protected-access
-            seeds_grad = list(g_out)
-            if extra_target is not None:
-                targets.append(extra_target)
-                seeds_grad.append(tf.ones_like(extra_target))
-            all_grads = tape.gradient(targets, sources + list(stage_vars),
-                                      output_gradients=seeds_grad,
-                                      unconnected_gradients=tf.UnconnectedGradients.NONE)
-            st["grads"][k] = list(st["grads"][k])
-            for i, g in enumerate(all_grads[len(sources):]):
-                if g is not None:
-                    self._connected[k][i] = True
-                    st["grads"][k][i] = st["grads"][k][i] + tf.convert_to_tensor(g)
+            tape, (out, extra, parts) = self._states[k].replay(seeds_state, replay)
+            sources = engine.float_leaves(packed) if k else []
+            if k == k_count - 1:
+                targets = [s for s, _, _ in parts]
+                seeds = [s * scale for s in plan.seeds(
+                    [acc if t.kind == loss_lib.COUNTED else None
+                     for acc, t in zip(st["div"], split.terms)])]
+            else:
+                outs = engine.float_leaves(boundary.pack(out, interfaces[k]))
+                connected = interfaces[k + 1].inputs_connected
+                targets = [t for t, c in zip(outs, connected) if c]
+                seeds = []
+                for ta, spec in zip(st["gin"][k], connected_specs(k)):
+                    g = ta.read(m)
+                    g.set_shape(spec.shape)
+                    seeds.append(g)
+            if extra is not None:
+                targets.append(extra)
+                seeds.append(tf.cast(batch.split.fraction(m) * scale, extra.dtype))
+            wanted = connected_vars[k]
+            grads = (tape.gradient(targets, sources + wanted, output_gradients=seeds,
+                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                     if targets else [tf.zeros_like(t) for t in sources + wanted])
+            st["grads"][d] = list(st["grads"][d])
+            for v, g in zip(wanted, grads[len(sources):]):
+                i = var_index[id(v)]
+                j = device_vars[d].index(i)
+                st["grads"][d][j] = slots[d][i].add(st["grads"][d][j], g, k, m)
             if k > 0:
-                input_grads = [tf.zeros_like(s) if g is None else tf.convert_to_tensor(g)
-                               for s, g in zip(sources, all_grads[: len(sources)])]
-                st["gin"][k - 1] = [ta.write(m, g) for ta, g in
-                                    zip(st["gin"][k - 1], input_grads)]
+                in_connected = interfaces[k].inputs_connected
+                st["gin"][k - 1] = [ta.write(m, g) for ta, g in zip(
+                    st["gin"][k - 1],
+                    [g for g, c in zip(grads[:len(sources)], in_connected) if c])]
             return st
 
-        owned = [self._owned_keys(d) for d in range(d_count)]
+        owned = [self._owned_keys(d, n_terms) for d in range(d_count)]
 
         def run(kind, st, d, k, m):
             return (forward_branch if kind == "F" else backward_branch)(st, d, k, m)
 
         state = self._run_ticks(len(ticks), codes, mbs, branches, owned, run, state)
+
+        grads = [None] * len(variables)
+        for d in range(d_count):
+            for j, i in enumerate(device_vars[d]):
+                grads[i] = self._on_home(variables[i], gradients_lib.add_gradients, grads[i],
+                                         slots[d][i].result(state["grads"][d][j]))
+        divisor_sums = [acc if t.kind == loss_lib.COUNTED else None
+                        for acc, t in zip(state["div"], split.terms)]
+        final_scale = plan.final_scale(divisor_sums)
+        if final_scale is not None:
+            grads = [self._on_home(v, gradients_lib.scale_gradient, g, final_scale)
+                     for v, g in zip(variables, grads)]
+        reg_total = self._add_regularization(variables, grads, scale)
+        sites = []
+        for k in range(k_count):
+            stacked = [ta.stack() for ta in state["bn"][k]]
+            sites.append([(c.layer,) + tuple(stacked[3 * i:3 * i + 3])
+                          for i, c in enumerate(interfaces[k].recorded or [])])
+        bn_ops = self._commit_batch_norm(recorder, bn_before, sites, batch)
         with tf.device(self.devices[self.stage_device[-1]]):
-            outputs = _pack(specs[k_count], [ta.stack() for ta in state["outs"]])
-        grads = [[g if self._connected[k][i] else None for i, g in enumerate(stage_grads)]
-                 for k, stage_grads in enumerate(state["grads"])]
-        return outputs, tf.add_n(state["loss"]), grads
+            data_loss, term_values = plan.values(state["num"], divisor_sums)
+            parts = [data_loss] + state["extra"] + ([reg_total] if reg_total is not None else [])
+            loss = tf.add_n(parts)
+            y_pred = boundary.unpack(_concat(state["outs"], interfaces[-1].specs), interfaces[-1])
+        if bn_ops:
+            with tf.control_dependencies(bn_ops):
+                loss = tf.identity(loss)
+        return engine.StepResult(y_pred, loss, term_values, grads)
 
     def _run_ticks(self, num_ticks, codes, mbs, branches, owned, run, state):
         """The while loop: at tick t, device d runs branch codes[t, d] on mbs[t, d].
@@ -256,60 +331,56 @@ class LoopPipeline(engine.Pipeline):
         with tf.device(self.devices[d]):
             return fn(*args)
 
-    def _owned_keys(self, d):
+    def _owned_keys(self, d, n_terms):
         """The state entries device d's actions write: (key, index) pairs."""
-        keys = [("loss", d)]
+        keys = [("extra", d), ("grads", d)]
         for k, home in enumerate(self.stage_device):
             if home != d:
                 continue
-            keys += [("seeds", k), ("gin", k - 1) if k else None, ("grads", k)]
+            keys += [("seeds", k), ("gin", k - 1) if k else None, ("bn", k)]
             if k < self.num_stages - 1:
                 keys.append(("acts", k + 1))
             else:
-                keys += [("outs", None), ("gin", k)]
+                keys += [("outs", None)] + [("num", j) for j in range(n_terms)] + \
+                        [("div", j) for j in range(n_terms)]
         return [key for key in keys if key is not None]
 
     # -- forward only (evaluate / predict) ---------------------------------
 
-    def forward(self, inputs, num_microbatches, training=False):
+    def forward(self, batch, training=False):
         """The schedule's forward actions as a while loop over clock ticks.
 
-        Args:
-          inputs: nest of (M, b, ...) stacked micro-batches.
-        Returns:
-          (outputs, extra_loss): the last stage's outputs stacked (M, b, ...)
-          and the sum over micro-batches and stages of `layer.losses` / M.
+        Same arguments and result as `engine.Pipeline.forward`.
         """
-        m_count, k_count, d_count = num_microbatches, self.num_stages, len(self.devices)
-        specs = self._boundary_specs(inputs)
+        m_count, k_count, d_count = batch.num_microbatches, self.num_stages, len(self.devices)
+        interfaces = self.probe(batch, training)
         ticks = schedules.clock_ticks(self.schedule, m_count, d_count, forward_only=True)
         codes, mbs, branches = self._tick_tables(ticks)
         state = {
-            "acts": [[tf.TensorArray(dtype, size=m_count, element_shape=shape)
-                      for shape, dtype in _flat_specs(specs[k])] if k else []
-                     for k in range(k_count + 1)],
-            "loss": [tf.zeros((), tf.float32) for _ in range(d_count)],
+            "acts": [[_array(s, m_count) for s in _flat_specs(interfaces[k - 1].specs)]
+                     if k else [] for k in range(k_count + 1)],
+            "extra": [tf.zeros((), tf.float32) for _ in range(d_count)],
         }
         owned = []
         for d in range(d_count):
-            keys = [("loss", d)] + [("acts", k + 1) for k, home in enumerate(self.stage_device)
-                                    if home == d]
+            keys = [("extra", d)] + [("acts", k + 1) for k, home in enumerate(self.stage_device)
+                                     if home == d]
             owned.append(keys)
 
         def step(st, d, k, m):
             st = _copy(st)
             if k == 0:
-                h = tf.nest.map_structure(lambda t: tf.gather(t, m), inputs)
+                h = batch.micro(m)[0]
             else:
-                flat = [ta.read(m) for ta in st["acts"][k]]
-                for t, (shape, _) in zip(flat, _flat_specs(specs[k])):
-                    t.set_shape(shape)
-                h = _pack(specs[k], flat)
+                h = boundary.unpack(_read(st["acts"][k], interfaces[k - 1].specs, m),
+                                    interfaces[k - 1])
             out, extra = self._call(k, h, training)
-            st["acts"][k + 1] = [ta.write(m, t) for ta, t in
-                                 zip(st["acts"][k + 1], tf.nest.flatten(out))]
+            out_packed = boundary.pack(out, interfaces[k])
+            if k == k_count - 1:
+                out_packed = batch.split.keep_real(out_packed, m)
+            st["acts"][k + 1] = _write(st["acts"][k + 1], out_packed, m)
             if extra is not None:
-                st["loss"][d] = st["loss"][d] + extra / m_count
+                st["extra"][d] = st["extra"][d] + extra * batch.split.fraction(m)
             return st
 
         def run(kind, st, d, k, m):
@@ -318,19 +389,60 @@ class LoopPipeline(engine.Pipeline):
 
         state = self._run_ticks(len(ticks), codes, mbs, branches, owned, run, state)
         with tf.device(self.devices[self.stage_device[-1]]):
-            outputs = _pack(specs[k_count], [ta.stack() for ta in state["acts"][k_count]])
-        return outputs, tf.add_n(state["loss"])
+            y_pred = boundary.unpack(_concat(state["acts"][k_count], interfaces[-1].specs),
+                                     interfaces[-1])
+        extras = [i.call_losses for i in interfaces]
+        return y_pred, (tf.add_n(state["extra"]) if any(extras) else None)
+
+
+class _GradientSlot:
+    """One device's running gradient of one variable over micro-batches.
+
+    Dense gradients are summed. Embedding gradients (IndexedSlices, one row
+    per lookup) are kept as they come, each micro-batch's rows written to a
+    TensorArray and concatenated at the end: exactly the slices full-batch
+    training hands the optimizer (Keras' Adam treats repeated rows of
+    IndexedSlices differently from their sum, so densifying is not exact).
+    """
+
+    def __init__(self, variable, num_microbatches):
+        self.variable, self.num_microbatches = variable, num_microbatches
+        self.users, self.index_dtype, self.sparse, self.unique = [], None, True, False
+
+    def add_user(self, stage, sparse):
+        """`sparse`: None (dense gradient) or (index dtype, unique rows)."""
+        self.users.append(stage)
+        if sparse is None:
+            self.sparse = False
+        else:
+            self.index_dtype, unique = sparse
+            self.unique = self.unique or unique
+
+    def initial(self):
+        v = self.variable
+        if not self.sparse:
+            return tf.zeros(v.shape, v.dtype)
+        size = self.num_microbatches * len(self.users)
+        row = tf.TensorShape([None]).concatenate(v.shape[1:])
+        return [tf.TensorArray(v.dtype, size=size, element_shape=row, infer_shape=False),
+                tf.TensorArray(self.index_dtype, size=size, element_shape=[None],
+                               infer_shape=False)]
+
+    def add(self, entry, grad, stage, m):
+        if not self.sparse:
+            return entry + tf.convert_to_tensor(grad)
+        at = m * len(self.users) + self.users.index(stage)
+        return [entry[0].write(at, grad.values), entry[1].write(at, grad.indices)]
+
+    def result(self, entry):
+        if not self.sparse:
+            return entry
+        grad = tf.IndexedSlices(entry[0].concat(), entry[1].concat(),
+                                tf.constant(list(self.variable.shape), self.index_dtype))
+        return gradients_lib.merge_rows(grad) if self.unique else grad
 
 
 # -- small helpers over the nested state ---------------------------------------
-
-
-def _flat_specs(spec):
-    return tf.nest.flatten(spec)
-
-
-def _pack(spec, flat):
-    return tf.nest.pack_sequence_as(spec, list(flat))
 
 
 def _copy(st):

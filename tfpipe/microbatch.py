@@ -1,125 +1,209 @@
-"""Scatter a batch into M equal micro-batches along axis 0, and gather back.
+"""Scatter a batch into M micro-batches along axis 0, and gather back.
 
-A batch whose size N is not a multiple of M (the partial last batch of an
-epoch) is padded with zero rows up to the next multiple; the padded rows get
-sample weight 0 and the loss is rescaled so the result is exactly that of the
-unpadded batch. `tf.split` alone would fail on such a batch at run time.
+A batch of N rows is cut into M contiguous micro-batches whose sizes differ by
+at most one row: micro-batch m has `N // M + (m < N % M)` rows. Nothing is
+padded, so a ragged last batch of an epoch is exact for everything computed
+per row or per batch (losses, stage losses, BatchNorm statistics); the loss
+module (`tfpipe.loss`) weights each micro-batch by its real share of the
+batch.
+
+Only a batch with fewer rows than M (an epoch's last, say) leaves micro-batches
+with no rows. Empty tensors break some kernels (convolutions), so such a
+micro-batch runs on a copy of the batch's first row with weight 0 everywhere:
+`real(m)` is 0 for it, its share of the batch (`fraction`) is 0, and `merge`
+leaves it out.
+
+Dense tensors, `tf.SparseTensor`s and `tf.RaggedTensor`s are cut along their
+first axis (for a SparseTensor its first dense dimension, for a
+RaggedTensor its rows); any other value raises a `ValueError` naming it.
+
+Micro-batch m can be taken with m a Python int (the unrolled step) or an int32
+scalar tensor (the loop step), from the same `Split`.
 """
 
 import tensorflow as tf
 
+from tfpipe import _internal
 
-def _tensors(structure):
+
+def _leaves(structure):
     return [t for t in tf.nest.flatten(structure) if t is not None]
 
 
-def static_batch_size(structure):
-    """Axis-0 size of the first tensor in `structure` if known when tracing."""
-    for t in _tensors(structure):
-        if t.shape.rank:
-            return t.shape[0]
-    return None
+def _check_leaf(t, where):
+    if isinstance(t, (tf.Tensor, tf.SparseTensor, tf.RaggedTensor, tf.Variable)):
+        return
+    raise ValueError(
+        f"{where}: tfpipe splits every input along axis 0 into micro-batches and "
+        f"supports dense tensors, tf.SparseTensor and tf.RaggedTensor; got "
+        f"{type(t).__name__}. Convert it to one of those (or to a NumPy array)."
+    )
 
 
-def batch_size(structure):
-    """Axis-0 size of the first tensor in `structure`, as a scalar int32 tensor."""
-    for t in _tensors(structure):
-        return tf.shape(t)[0]
-    raise ValueError("A batch must contain at least one tensor.")
+def _rows(t):
+    """Axis-0 size of a tensor, SparseTensor or RaggedTensor (int32 scalar)."""
+    if isinstance(t, tf.SparseTensor):
+        return tf.cast(t.dense_shape[0], tf.int32)
+    if isinstance(t, tf.RaggedTensor):
+        return tf.cast(t.nrows(), tf.int32)
+    return tf.shape(t, out_type=tf.int32)[0]
 
 
-class Scatter:
-    """How one batch of N rows is cut into M micro-batches of b rows each.
+def _static_rows(t):
+    shape = t.shape
+    return shape[0] if shape.rank else None
+
+
+class Split:
+    """How one batch of N rows is cut into M micro-batches.
+
+    Args:
+      reference: a nest of tensors (the batch's inputs); its first leaf gives N.
+      num_microbatches: M.
+      name: what the batch is, for error messages.
 
     Attributes:
       num_microbatches: M.
-      needs_padding: whether N may not be a multiple of M (decided when
-        tracing from the static batch size; then rows are padded at run time).
-      real_size: N as a float32 scalar tensor.
-      padded_size: M * b as a float32 scalar tensor.
+      num_rows: N, an int32 scalar tensor.
+      static_rows: N when known while tracing, else None.
+      static_size: the rows of every micro-batch when N is static and a
+        multiple of M (then shapes stay static), else None.
     """
 
-    def __init__(self, reference, num_microbatches):
+    def __init__(self, reference, num_microbatches, name="the batch"):
         self.num_microbatches = int(num_microbatches)
-        static = static_batch_size(reference)
-        self.needs_padding = self.num_microbatches > 1 and (
-            static is None or static % self.num_microbatches != 0
-        )
-        n = batch_size(reference)
-        self._n = n
+        leaves = _leaves(reference)
+        if not leaves:
+            raise ValueError(f"{name} has no tensors to split into micro-batches.")
+        for t in leaves:
+            _check_leaf(t, name)
+        self.num_rows = _rows(leaves[0])
+        self.static_rows = _static_rows(leaves[0])
         m = self.num_microbatches
-        self._pad = (m - n % m) % m if self.needs_padding else tf.constant(0, tf.int32)
-        self.real_size = tf.cast(n, tf.float32)
-        self.padded_size = tf.cast(n + self._pad, tf.float32)
+        if self.static_rows is not None and self.static_rows % m == 0:
+            self.static_size = self.static_rows // m
+        else:
+            self.static_size = None
+        self._base = self.num_rows // m
+        self._extra = self.num_rows % m
 
-    def real_rows(self, m):
-        """Real (not padded) rows in micro-batch m: an int32 scalar in [0, b]."""
-        b = (self._n + self._pad) // self.num_microbatches
-        return tf.clip_by_value(self._n - tf.cast(m, tf.int32) * b, 0, b)
+    # -- sizes ---------------------------------------------------------------
 
-    def mask(self):
-        """Float32 (N + pad,) vector: 1 for real rows, 0 for padding."""
-        return tf.concat([tf.ones([self._n]), tf.zeros([self._pad])], axis=0)
+    def size(self, m):
+        """Rows of micro-batch m (int32 scalar tensor; m int or tensor)."""
+        m = tf.cast(m, tf.int32)
+        return self._base + tf.cast(m < self._extra, tf.int32)
 
-    def _pad_tensor(self, t):
-        if not self.needs_padding:
-            return t
-        t = tf.convert_to_tensor(t)
-        paddings = tf.concat(
-            [[[0, self._pad]], tf.zeros([tf.rank(t) - 1, 2], tf.int32)], axis=0
-        )
-        return tf.pad(t, paddings)
+    def start(self, m):
+        """First row of micro-batch m (int32 scalar tensor)."""
+        m = tf.cast(m, tf.int32)
+        return m * self._base + tf.minimum(m, self._extra)
 
-    def split(self, structure):
-        """Returns M structures like `structure`, each with b rows."""
-        m = self.num_microbatches
-        if structure is None:
-            return [None] * m
-        if m == 1:
-            return [structure]
-        flat = tf.nest.flatten(structure)
-        pieces = [
-            [None] * m if t is None else tf.split(self._pad_tensor(t), m, axis=0)
-            for t in flat
-        ]
-        return [tf.nest.pack_sequence_as(structure, [p[i] for p in pieces]) for i in range(m)]
+    def fraction(self, m):
+        """Micro-batch m's share of the batch, rows / N (float32 scalar; 0 if N = 0)."""
+        return tf.math.divide_no_nan(tf.cast(self.size(m), tf.float32),
+                                     tf.cast(self.num_rows, tf.float32))
 
-    def merge(self, microbatches):
-        """Concatenates M structures along axis 0 and drops padded rows."""
-        if self.num_microbatches == 1:
-            return microbatches[0]
+    def real(self, m):
+        """1.0 if micro-batch m has rows, 0.0 if it stands in for an empty one."""
+        return tf.cast(self.size(m) > 0, tf.float32)
 
-        def cat(*parts):
-            joined = tf.concat(parts, axis=0)
-            return joined[: self._n] if self.needs_padding else joined
+    def _taken(self, m):
+        """(start, rows) actually read for micro-batch m: an empty one reads row 0."""
+        size = self.size(m)
+        if self.static_size:  # N a multiple of M and >= M: never empty
+            return self.start(m), size
+        empty = size < 1
+        return tf.where(empty, 0, self.start(m)), tf.where(empty, 1, size)
 
-        return tf.nest.map_structure(cat, *microbatches)
+    # -- scatter and gather --------------------------------------------------
 
-    def stack(self, structure):
-        """`structure` with each tensor reshaped to (M, b, ...): the loop form's input."""
+    def take(self, structure, m):
+        """Micro-batch m of `structure` (same nest; None leaves stay None)."""
         if structure is None:
             return None
-        m = self.num_microbatches
+        if self.num_microbatches == 1:
+            return structure
+        start, size = self._taken(m)
 
         def one(t):
             if t is None:
                 return None
-            t = self._pad_tensor(t)
-            shape = tf.concat([[m, -1], tf.shape(t)[1:]], axis=0)
-            out = tf.reshape(t, shape)
-            static = t.shape[0]
-            b = static // m if static is not None and not self.needs_padding else None
-            out.set_shape(tf.TensorShape([m, b]).concatenate(t.shape[1:]))
+            if isinstance(t, tf.SparseTensor):
+                rank = tf.shape(t.dense_shape, out_type=tf.int64)[0]
+                begin = tf.concat([[tf.cast(start, tf.int64)], tf.zeros([rank - 1], tf.int64)], 0)
+                extent = tf.concat([[tf.cast(size, tf.int64)], t.dense_shape[1:]], 0)
+                return tf.sparse.slice(t, begin, extent)
+            if isinstance(t, tf.RaggedTensor):
+                return t[start:start + size]
+            t = tf.convert_to_tensor(t)
+            out = t[start:start + size]
+            if self.static_size is not None:
+                out.set_shape(tf.TensorShape([self.static_size]).concatenate(t.shape[1:]))
             return out
 
         return tf.nest.map_structure(one, structure)
 
-    def unstack(self, structure):
-        """Inverse of `stack` for (M, b, ...) outputs: (N, ...), padding dropped."""
+    def keep_real(self, structure, m):
+        """Micro-batch m's outputs without the stand-in row of an empty one
+        (Keras masks and logits cut alike)."""
+        if self.num_microbatches == 1 or self.static_size:
+            return structure
+        size = self.size(m)
+        return tf.nest.map_structure(
+            lambda t: _internal.slice_with_metadata(t, size) if isinstance(t, tf.Tensor) else t,
+            structure)
 
-        def one(t):
-            joined = tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], axis=0))
-            joined.set_shape(tf.TensorShape([None]).concatenate(t.shape[2:]))
-            return joined[: self._n] if self.needs_padding else joined
+    def merge(self, microbatches):
+        """Concatenates M structures along axis 0: the batch, rows in order.
 
-        return tf.nest.map_structure(one, structure)
+        Keras' hidden metadata on the tensors (masks, softmax/sigmoid logits)
+        is concatenated too, so metrics see what they would on the batch.
+        """
+        if self.num_microbatches == 1:
+            return microbatches[0]
+        microbatches = [self.keep_real(s, m) for m, s in enumerate(microbatches)]
+
+        def cat(*parts):
+            if isinstance(parts[0], tf.SparseTensor):
+                return tf.sparse.concat(0, list(parts))
+            return _internal.concat_with_metadata(list(parts))
+
+        return tf.nest.map_structure(cat, *microbatches)
+
+
+class Batch:
+    """One batch (x, y, sample_weight) and the `Split` that cuts it.
+
+    `micro(m)` is (x, y, sample_weight) of micro-batch m, each a nest like
+    the batch's (None stays None); for a Python int m it is made once.
+    """
+
+    def __init__(self, x, y=None, sample_weight=None, num_microbatches=1):
+        self.x, self.y, self.sample_weight = x, y, sample_weight
+        self.split = Split(x, num_microbatches, "the inputs (x)")
+        for name, part in (("the labels (y)", y), ("the sample weights", sample_weight)):
+            for t in _leaves(part):
+                _check_leaf(t, name)
+        self._cache = {}
+
+    @property
+    def num_microbatches(self):
+        return self.split.num_microbatches
+
+    def micro(self, m):
+        if isinstance(m, int) and m in self._cache:
+            return self._cache[m]
+        take = self.split.take
+        result = (take(self.x, m), take(self.y, m), take(self.sample_weight, m))
+        if isinstance(m, int):
+            self._cache[m] = result
+        return result
+
+
+def static_batch_size(structure):
+    """Axis-0 size of the first tensor in `structure` if known when tracing."""
+    for t in _leaves(structure):
+        if t.shape.rank:
+            return t.shape[0]
+    return None

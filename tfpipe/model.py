@@ -1,39 +1,41 @@
 """`PipelinedModel`: the Keras face of the pipeline.
 
-`fit`, `evaluate` and `predict` work as for any Keras model; each step scatters
-the batch into M micro-batches, runs the schedule on the stage devices (see
-`tfpipe.engine`), and — in training — applies one optimizer update with the
-gradients summed over micro-batches.
+`fit`, `evaluate` and `predict` work as for any Keras model; each step cuts
+the batch into M micro-batches (`tfpipe.microbatch`), runs the schedule on the
+stage devices (`tfpipe.engine`, or `tfpipe.loop`), and — in training —
+applies one optimizer update with the gradients summed over micro-batches.
 
-Exactness. With Keras' default loss reduction (`sum_over_batch_size`) the
-step loss is `sum_m (r_m / N) * loss_m`, r_m real rows in micro-batch m of N:
-exactly the full-batch loss. A partial last batch is padded to a multiple of
-M and the padded rows are sliced off before the loss, so this holds for any
-loss shape (per-token losses included). With
-`reduction="sum"` it is `sum_m loss_m`. Weight regularisers and other
-`layer.losses` are counted once per step. Metrics are updated once per
-step on the gathered outputs of the real rows, so every metric (AUC and
-unweighted metrics included) sees exactly what full-batch training shows it.
+Exactness. The compiled loss is split over micro-batches exactly as Keras
+reduces it over the batch (`tfpipe.loss`: masks, `ignore_class`, sample
+weights, every reduction), the last stage's backward starts from the loss
+itself (so softmax/sigmoid heads with Keras' default crossentropy train, as in
+Keras), weight regularisers are counted once per step, and metrics are
+updated once per step on the whole batch's outputs (Keras masks and logits
+attached), so every metric sees exactly what full-batch training shows it.
+A trainable variable that gets no gradient raises a `ValueError` (Keras
+would only warn and leave it unchanged).
+
+`from_model` keeps the user's own layers: nothing is cloned; each variable's
+storage moves to its stage's device (`tfpipe.placement.place_variables`).
 """
 
 import contextlib
-import math
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfpipe import _internal
+from tfpipe import batchnorm
+from tfpipe import config as config_lib
 from tfpipe import engine
 from tfpipe import loop
+from tfpipe import loss as loss_lib
 from tfpipe import microbatch
 from tfpipe import partition
 from tfpipe import placement
-from tfpipe import recompute as recompute_lib
 from tfpipe import schedules
 from tfpipe import strategy as strategy_lib
-
-_SUPPORTED_REDUCTIONS = {"sum_over_batch_size": False, "mean": False, "sum": True}
 
 
 def _is_shape(value):
@@ -72,21 +74,34 @@ def _dataset_batch_size(x):
     return None
 
 
+class _Source:
+    """Holds the model `from_model` cut, out of Keras' layer tracking (it
+    is not a sub-layer of the pipeline: its layers are, through the stages)."""
+
+    def __init__(self, model, graph, balance, method):
+        self.model, self.graph, self.balance, self.method = model, graph, balance, method
+
+
+def _host_device():
+    cpus = placement.available_devices("CPU")
+    return cpus[0] if cpus else None
+
+
 @keras.saving.register_keras_serializable(package="tfpipe")
 class PipelinedModel(keras.Model):
     """A Keras model whose `stages` run as a pipeline on the strategy's devices.
 
     Args:
       stages: list of K Keras layers or models; stage k takes the output of
-        stage k - 1. Pass them unbuilt: tfpipe builds each under its device.
-      num_microbatches: M; default the strategy's.
-      recompute: `"always"`, `"except_last"` or `"never"`; default the
-        strategy's.
+        stage k - 1. Unbuilt layers are built under their stage's device;
+        built ones have their variables moved there.
+      num_microbatches, schedule, recompute, execution, batch_norm: the
+        pipeline's settings (`tfpipe.config.PipelineConfig`); each None takes
+        the `PipelineStrategy`'s.
       input_shape: optional shape (batch dimension included, may be None) or
         nest of shapes; builds the model (places all variables) right away.
       input_dtype: dtype of the dummy batch used to build stages (default
         float32).
-      execution: `"unrolled"` or `"loop"`; default the strategy's.
       **kwargs: passed to `keras.Model` (e.g. `name`).
 
     Create it under `tfpipe.PipelineStrategy(...).scope()`; outside any scope
@@ -102,7 +117,8 @@ class PipelinedModel(keras.Model):
     """
 
     def __init__(self, stages, num_microbatches=None, recompute=None,
-                 input_shape=None, input_dtype="float32", execution=None, **kwargs):
+                 input_shape=None, input_dtype="float32", execution=None, schedule=None,
+                 batch_norm=None, **kwargs):
         strategy = strategy_lib.current_pipeline_strategy()
         if strategy is None and tf.distribute.has_strategy():
             raise ValueError(
@@ -111,37 +127,22 @@ class PipelinedModel(keras.Model):
                 f"strategies override the per-stage device placement."
             )
         strategy = strategy or strategy_lib.PipelineStrategy()
+        source = kwargs.pop("_source", None)
         super().__init__(**kwargs)
         self._distribute_strategy = strategy
-        stages = self._validate_stages(stages, strategy)
-        self.stages = stages
-        # The D devices the schedule runs on; stage k lives on stage_devices[k].
-        self.pipeline_devices, self.stage_devices = strategy.pipeline_devices(len(stages))
-        self._num_microbatches_arg = num_microbatches
-        self._recompute_arg = recompute
-        self._execution_arg = execution
-        self.num_microbatches = strategy_lib.validate_num_microbatches(
-            strategy.num_microbatches if num_microbatches is None else num_microbatches
-        )
-        self.execution = strategy.execution if execution is None else execution
-        self.recompute = recompute_lib.resolve(
-            strategy._recompute_arg if recompute is None else recompute,  # pylint: disable=protected-access
-            self.execution,
-        )
-        self.schedule = strategy.schedule
-        # Validates the schedule for this (M, D) now, not at the first step.
-        schedules.validate(self.schedule, self.num_microbatches, len(self.pipeline_devices))
+        self._source = source
+        if source is not None and hasattr(source.model, "output_names"):
+            self.output_names = list(source.model.output_names)
+        self.stages = self._validate_stages(stages)
         self._input_dtype = keras.backend.standardize_dtype(input_dtype)
-        self._loss_is_sum = False
-        pipeline_class = loop.LoopPipeline if self.execution == "loop" else engine.Pipeline
-        self.pipeline = pipeline_class(
-            self.stages, self.pipeline_devices, self.schedule, self.recompute
-        )
+        self._configure(config_lib.merge(strategy.given_settings, dict(
+            num_microbatches=num_microbatches, schedule=schedule, recompute=recompute,
+            execution=execution, batch_norm=batch_norm)))
         if input_shape is not None:
             self.build(input_shape)
 
     @staticmethod
-    def _validate_stages(stages, strategy):
+    def _validate_stages(stages):
         if isinstance(stages, keras.layers.Layer) or not isinstance(stages, (list, tuple)):
             raise ValueError(
                 f"stages must be a list of Keras layers (one per stage), got "
@@ -162,73 +163,127 @@ class PipelinedModel(keras.Model):
                     f"Stage {k} ({stage.name!r}) is an empty Sequential; every stage "
                     f"needs at least one layer."
                 )
-        strategy.pipeline_devices(len(stages))  # raises if they do not fit
         return stages
+
+    # -- the pipeline's configuration ------------------------------------
+
+    def _configure(self, config):
+        """Makes `config` the model's configuration (the one owner of M,
+        the schedule, recompute, execution and the BatchNorm mode)."""
+        strategy = self._distribute_strategy
+        devices, stage_devices = strategy.pipeline_devices(len(self.stages), config.schedule)
+        # Validates the schedule for this (M, D) now, not at the first step.
+        schedules.validate(config.schedule, config.num_microbatches, len(devices))
+        self._pipeline_config = config
+        # The D devices the schedule runs on; stage k lives on stage_devices[k].
+        self.pipeline_devices, self.stage_devices = devices, stage_devices
+        pipeline_class = loop.LoopPipeline if config.execution == "loop" else engine.Pipeline
+        self.pipeline = pipeline_class(self.stages, devices, config)
+        if self.built:
+            batchnorm.check_layers(self.stages, config.batch_norm)
+        # Steps traced for the old configuration must not be reused.
+        self.train_function = self.test_function = self.predict_function = None
+
+    @property
+    def pipeline_config(self):
+        """The `tfpipe.config.PipelineConfig` this model runs with."""
+        return self._pipeline_config
+
+    @property
+    def num_microbatches(self):
+        return self._pipeline_config.num_microbatches
+
+    @property
+    def schedule(self):
+        return self._pipeline_config.schedule
+
+    @property
+    def recompute(self):
+        return self._pipeline_config.recompute
+
+    @property
+    def execution(self):
+        return self._pipeline_config.execution
+
+    @property
+    def batch_norm(self):
+        return self._pipeline_config.batch_norm
+
+    @property
+    def balance(self):
+        """Units per stage as `from_model` cut them (None for hand-made stages)."""
+        return None if self._source is None else list(self._source.balance)
+
+    @property
+    def balance_method(self):
+        return None if self._source is None else self._source.method
+
+    @property
+    def source_model(self):
+        """The Keras model `from_model` cut (its layers are the stages' layers)."""
+        return None if self._source is None else self._source.model
 
     # -- construction ----------------------------------------------------
 
     @classmethod
-    def from_model(cls, model, balance=None, batch_norm="deferred", sample=None, **kwargs):
+    def from_model(cls, model, balance=None, sample=None, **kwargs):
         """Cuts a Sequential or functional model (any DAG) into pipeline stages.
 
         The model is read as units in topological order (`tfpipe.graph`): a
-        Sequential's layers, or a functional model's layers and raw ops
-        (`model.operations` without inputs; nested models inlined). Stage k
-        takes the next `balance[k]` units; tensors needed by later stages
-        (skip connections) are passed through the stages in between. Stage 0
-        takes the model's inputs, the last stage returns its outputs.
+        Sequential's layers, or a functional model's layer calls and raw ops
+        (nested models inlined). Stage k takes the next `balance[k]` units;
+        tensors needed by later stages (skip connections) are passed through
+        the stages in between. Stage 0 takes the model's inputs, the last
+        stage returns its outputs.
+
+        Nothing is copied: the stages call `model`'s own layers, so custom
+        layers, `Lambda`s, adapted preprocessing layers, wrappers, nested
+        models and shared layers (called at several places, in one stage or
+        several) all stay as they are. Each variable's storage is moved to the
+        device of the first stage that uses it; training the pipeline trains
+        `model` too (`model` and the pipeline share every variable). A model
+        too large for one accelerator can be built under
+        `tf.device("/CPU:0")` first.
 
         Args:
-          model: a `keras.Sequential` or functional `keras.Model`. Its layers
-            are cloned, built on the stage devices, and given the model's
-            current weights; `model` itself is left unchanged. A layer called
-            at several nodes (shared) raises ValueError.
+          model: a `keras.Sequential` or functional `keras.Model`.
           balance: unit counts per stage, e.g. `[3, 2, 2, 1]`; None or
             `"params"` balances parameter counts, `"time"` measured forward +
             backward time, `"memory"` measured activation + parameter bytes
-            (see `tfpipe.partition`), over the strategy's `num_stages`.
-          batch_norm: `"deferred"` (default) turns each
-            `keras.layers.BatchNormalization` into
-            `tfpipe.batchnorm.DeferredBatchNormalization`: micro-batches are
-            normalised with their own statistics either way, but the moving
-            mean and variance are updated once per step with the statistics of
-            the whole mini-batch, as unpipelined training does, instead of M
-            times with micro-batch statistics (`"plain"`). Deferred is the
-            default because it keeps the moving statistics, and so
-            evaluation and inference, closest to unpipelined training; for
-            M = 1 both are plain Keras.
+            (see `tfpipe.partition`), over as many stages as the strategy
+            can place.
           sample: a batch of inputs for `balance="time"` or `"memory"`;
             default a random batch of 8 rows shaped like the model's inputs.
-          **kwargs: passed to `PipelinedModel`.
+          **kwargs: passed to `PipelinedModel` (`num_microbatches`,
+            `schedule`, `recompute`, `execution`, `batch_norm` — default
+            "deferred", see `tfpipe.batchnorm` —, `name`, ...).
 
         The result has `.balance` (the counts) and `.balance_method`
         (`"params"`, `"time"`, `"memory"` or `"explicit"`); `summary()` shows
         them.
         """
-        from tfpipe import batchnorm  # pylint: disable=import-outside-toplevel
         from tfpipe import graph as graph_lib  # pylint: disable=import-outside-toplevel
 
-        batchnorm.validate_mode(batch_norm)
+        if kwargs.get("batch_norm") is not None:
+            batchnorm.validate_mode(kwargs["batch_norm"])
         graph = graph_lib.model_graph(model)
-        strategy = strategy_lib.current_pipeline_strategy() or strategy_lib.PipelineStrategy()
-        balance, method = partition.choose_balance(graph, balance, strategy.num_stages, sample)
-        stages, pairs = graph_lib.make_stages(
-            graph, balance, lambda op: batchnorm.clone(op, batch_norm))
+        in_scope = strategy_lib.current_pipeline_strategy()
+        strategy = in_scope or strategy_lib.PipelineStrategy()
+        schedule = schedules.get(kwargs.get("schedule") or strategy.schedule)
+        balance, method = partition.choose_balance(graph, balance, strategy.max_stages(schedule),
+                                                   sample)
+        stages = graph_lib.make_stages(graph, balance)
         if "input_shape" not in kwargs and graph.input_shape is not None:
             kwargs["input_shape"] = graph.input_shape
             kwargs.setdefault("input_dtype", graph.input_dtype)
         kwargs.setdefault("name", f"pipelined_{model.name}")
-        with strategy.scope() if strategy_lib.current_pipeline_strategy() is None else contextlib.nullcontext():
-            pipelined = cls(stages, **kwargs)
+        with strategy.scope() if in_scope is None else contextlib.nullcontext():
+            pipelined = cls(stages, _source=_Source(model, graph, balance, method), **kwargs)
         if not pipelined.built:
             raise ValueError(
                 f"from_model could not infer the input shape of {model.name!r}; "
                 f"pass input_shape=(None, ...)."
             )
-        graph_lib.copy_weights(pairs)
-        batchnorm.set_num_microbatches(pipelined.stages, pipelined.num_microbatches)
-        pipelined.balance = balance
-        pipelined.balance_method = method
         return pipelined
 
     def build(self, input_shape):
@@ -245,24 +300,26 @@ class PipelinedModel(keras.Model):
         # variables created there would land on the default device.
         with tf.init_scope(), self._scope():
             # Symbolic inputs keep the batch dimension None in every stage's
-            # recorded shapes; the layers still build (create variables) eagerly,
-            # under the device scope, before Keras' stateless symbolic call.
+            # recorded shapes; unbuilt layers still build (create variables)
+            # eagerly, under their stage's device.
             h = _map_shapes(lambda s: keras.KerasTensor(s, dtype=self._input_dtype),
                             input_shape)
-            for k, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
-                if stage.built and stage.weights:
-                    bad = placement.misplaced_variables(stage.weights, device)
-                    if bad:
-                        raise ValueError(
-                            f"Stage {k} ({stage.name!r}) was built before PipelinedModel "
-                            f"could place it on {device}: {bad[:3]}. Pass unbuilt layers, "
-                            f"or use PipelinedModel.from_model(model), which copies weights."
-                        )
+            if self._source is not None:
+                h = self._source.graph.standardize_inputs(h)
+            for stage, device in zip(self.stages, self.stage_devices):
                 with tf.device(device):
                     h = stage(h, training=False)
-                bad = placement.misplaced_variables(stage.weights, device)
+            placement.place_variables(self.stages, self.stage_devices)
+            for k, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
+                own = [v for v in stage.variables
+                       if not any(v is w for s in self.stages[:k] for w in s.variables)]
+                bad = placement.misplaced_variables(own, device)
                 if bad:
                     raise RuntimeError(f"tfpipe placement bug: stage {k} variables {bad[:3]}.")
+            batchnorm.check_layers(self.stages, self.batch_norm)
+        if self._source is not None:
+            # Its traced functions (if any) hold the variables' old storage.
+            _internal.reset_compiled_functions(self._source.model)
         self._build_optimizer()
 
     def _scope(self):
@@ -277,11 +334,11 @@ class PipelinedModel(keras.Model):
         # Eagerly, so that each slot is created next to its variable; Keras
         # would otherwise build it inside the first traced step, on CPU:0.
         with tf.init_scope(), self._scope():
-            optimizer.build(self.trainable_variables)
+            optimizer.build(self.pipeline.variables)
 
     def call(self, inputs, training=None):
         """Runs the stages one after another on the whole batch (no pipelining)."""
-        h = inputs
+        h = inputs if self._source is None else self._source.graph.standardize_inputs(inputs)
         for stage, device in zip(self.stages, self.stage_devices):
             with tf.device(device):
                 h = stage(h, training=training)
@@ -303,17 +360,6 @@ class PipelinedModel(keras.Model):
             )
         with self._scope():
             super().compile(*args, jit_compile=False, **kwargs)
-        reductions = _internal.compiled_loss_reductions(self)
-        unsupported = [r for r in reductions if r not in _SUPPORTED_REDUCTIONS]
-        kinds = {_SUPPORTED_REDUCTIONS[r] for r in reductions if r in _SUPPORTED_REDUCTIONS}
-        if unsupported or len(kinds) > 1:
-            raise ValueError(
-                f"PipelinedModel adds per-micro-batch losses, which equals the "
-                f"full-batch loss only when every compiled loss uses "
-                f"reduction='sum_over_batch_size' (the Keras default) or every one "
-                f"uses reduction='sum'; got {reductions}. Use one of those reductions."
-            )
-        self._loss_is_sum = kinds == {True}
         if self.optimizer is not None:
             _internal.adopt_optimizer(self.optimizer, self._distribute_strategy)
         self._build_optimizer()
@@ -321,14 +367,12 @@ class PipelinedModel(keras.Model):
     def _check_batch(self, batch_size, x, what):
         m = self.num_microbatches
         for size in (_keras_batch_size(batch_size, x), _dataset_batch_size(x)):
-            if size is not None and size % m:
-                fix = m * math.ceil(size / m)
+            if size is not None and size < m:
                 raise ValueError(
-                    f"{what}: batch size {size} is not divisible by "
-                    f"num_microbatches={m}. Use a batch size that is a multiple of "
-                    f"{m} (e.g. {fix}) or a num_microbatches that divides {size}. "
-                    f"(Only an epoch's smaller last batch may be ragged: tfpipe pads "
-                    f"it and gives the padding zero weight.)"
+                    f"{what}: batch size {size} is smaller than num_microbatches={m}, "
+                    f"so {m - size} micro-batch(es) of every batch would be empty. Use a "
+                    f"batch size of at least {m} (a multiple of {m} keeps every "
+                    f"micro-batch the same size) or num_microbatches <= {size}."
                 )
 
     def _build_from_data(self, x):
@@ -349,7 +393,16 @@ class PipelinedModel(keras.Model):
             self._input_dtype = keras.backend.standardize_dtype(leaves[0].dtype)
         self.build(shapes)
 
+    def _check_labels(self, x, y, what):
+        arrays = not (x is None or isinstance(x, (tf.data.Dataset, keras.utils.PyDataset))
+                      or callable(getattr(x, "__next__", None)))
+        if arrays and y is None and getattr(self, "_compile_loss", None) is not None:
+            raise ValueError(
+                f"{what}: the model was compiled with a loss but the data has no labels "
+                f"(y=None). Pass y, or compile without a loss.")
+
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        self._check_labels(x, y, "fit")
         self._check_batch(batch_size, x, "fit")
         self._build_from_data(x)
         validation_data = kwargs.get("validation_data")
@@ -359,6 +412,7 @@ class PipelinedModel(keras.Model):
         return super().fit(x, y, batch_size, *args, **kwargs)
 
     def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        self._check_labels(x, y, "evaluate")
         self._check_batch(batch_size, x, "evaluate")
         self._build_from_data(x)
         return super().evaluate(x, y, batch_size, *args, **kwargs)
@@ -368,112 +422,78 @@ class PipelinedModel(keras.Model):
         self._build_from_data(x)
         return super().predict(x, batch_size, *args, **kwargs)
 
-    def compute_microbatch_loss(self, x, y, y_pred, sample_weight):
-        """Data loss of one micro-batch; override instead of `compute_loss`.
-
-        Default: the loss given to `compile`, with its own reduction. Stage
-        losses (`layer.losses`, e.g. regularisers) are added by the engine.
-        """
-        del x
-        if self._compile_loss is None:
-            return tf.zeros(())
-        return self._compile_loss(y, y_pred, sample_weight)
-
-    def _scatter(self, data, stacked=None):
-        """A `_Step`; micro-batches stacked (loop form) or a list (unrolled)."""
+    def _batch(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        scatter = microbatch.Scatter(x, self.num_microbatches)
-        stacked = self.execution == "loop" if stacked is None else stacked
-        cut = scatter.stack if stacked else scatter.split
-        return _Step(x, y, sample_weight, scatter, cut(x), cut(y), cut(sample_weight))
+        if self._source is not None:
+            x = self._source.graph.standardize_inputs(x)
+        return microbatch.Batch(x, y, sample_weight, self.num_microbatches)
 
-    def _merge(self, scatter, y_preds):
-        """The real rows of the last stage's outputs (list of M, or stacked)."""
-        with tf.device(self.stage_devices[-1]):
-            if self.execution == "loop":
-                return scatter.unstack(y_preds)
-            return scatter.merge(y_preds)
+    def _update_metrics(self, batch, y_pred, loss, split, term_values):
+        # Once, on the whole batch's outputs: identical to a full-batch update
+        # for every metric (AUC and unweighted metrics included).
+        self._loss_tracker.update_state(loss, sample_weight=batch.split.num_rows)
+        y_true = batch.y
+        for metric, value, term in zip(split.trackers, term_values, split.terms):
+            _, arranged, _ = split.arrange(y_true, y_pred, None)
+            y_p = loss_lib.resolve(term.path, arranged)
+            metric.update_state(value, sample_weight=keras.tree.flatten(y_p)[0].shape[0])
+        return self.compute_metrics(batch.x, batch.y, y_pred, sample_weight=batch.sample_weight)
 
-    def _update_metrics(self, step, y_preds, loss):
-        # Once, on the gathered real rows: identical to a full-batch update for
-        # every metric (AUC and unweighted metrics included, which per-micro-
-        # batch updates with zero-weight padding would get wrong).
-        self._loss_tracker.update_state(loss, sample_weight=step.scatter.real_size)
-        y_pred = self._merge(step.scatter, y_preds)
-        return self.compute_metrics(step.x, step.y, y_pred, sample_weight=step.sample_weight)
-
-    def _loss_fn(self, step):
-        """`loss_fn(m, y_pred_m)`: micro-batch m's share of the full-batch data loss.
-
-        With reduction "sum_over_batch_size" the compiled loss is a mean, so
-        micro-batch m, with r_m real rows of N, is weighted r_m / N; with
-        "sum" it is weighted 1. Padded rows (a ragged batch) are sliced off
-        before the loss, so they count nowhere, whatever the loss's shape.
-        """
-        scatter = step.scatter
-
-        def loss_fn(m, y_pred):
-            x, y, sw = step.micro(m)
-            if not scatter.needs_padding:
-                loss = self.compute_microbatch_loss(x, y, y_pred, sw)
-                weight = 1.0 if self._loss_is_sum else 1.0 / self.num_microbatches
-                return weight * tf.cast(loss, tf.float32)
-            rows = scatter.real_rows(m)
-            # At least one row, so an all-padding micro-batch gives a finite
-            # loss; its weight is 0.
-            keep = tf.maximum(rows, 1)
-            cut = lambda s: None if s is None else tf.nest.map_structure(  # noqa: E731
-                lambda t: t[:keep], s)
-            loss = tf.cast(self.compute_microbatch_loss(cut(x), cut(y), cut(y_pred), cut(sw)),
-                           tf.float32)
-            if self._loss_is_sum:
-                return tf.where(rows > 0, loss, 0.0)
-            return tf.cast(rows, tf.float32) / scatter.real_size * loss
-
-        return loss_fn
+    def _check_gradients(self, grads):
+        """Raises ValueError naming every trainable variable no gradient reached."""
+        variables = self.pipeline.variables
+        users = self.pipeline.stage_of_variables()
+        missing = {}
+        for i, (v, g) in enumerate(zip(variables, grads)):
+            if g is None:
+                home = users[i][0]
+                missing.setdefault(home, []).append(v.path)
+        if not missing:
+            return
+        where = "; ".join(f"stage {k} ({self.stages[k].name!r}): {paths}"
+                          for k, paths in sorted(missing.items()))
+        raise ValueError(
+            f"No gradient reaches {sum(len(p) for p in missing.values())} trainable "
+            f"variable(s) in a training step of {self.name!r}: {where}. Keras would "
+            f"only warn and leave them unchanged; tfpipe stops rather than train "
+            f"silently wrong. If they should stay fixed, set trainable=False on their "
+            f"layers before compile; otherwise make the loss depend on them (a loss "
+            f"for every output they feed, no stop_gradient on the way).")
 
     def train_step(self, data):
-        step = self._scatter(data)
+        batch = self._batch(data)
+        split = loss_lib.LossSplit(self._compile_loss)
         scale = self.optimizer.scale_loss if self.optimizer is not None else None
-        if self.execution == "loop":
-            y_preds, loss, grads = self.pipeline.train(
-                step.xs, self.num_microbatches, self._loss_fn(step), 1.0, scale)
-        else:
-            y_preds, loss, grads = self.pipeline.train(
-                step.xs, self._loss_fn(step), 1.0, scale)
-        pairs = [
-            (g, v)
-            for stage, stage_grads in zip(self.stages, grads)
-            for g, v in zip(stage_grads, stage.trainable_variables)
-        ]
+        result = self.pipeline.train(batch, split, scale)
+        self._check_gradients(result.grads)
+        pairs = list(zip(result.grads, self.pipeline.variables))
         if pairs:
             self.optimizer.apply_gradients(pairs)
-        return self._update_metrics(step, y_preds, loss)
+        return self._update_metrics(batch, result.y_pred, result.loss, split,
+                                    result.term_values)
+
+    def _regularization_loss(self):
+        values = [tf.cast(v.regularizer(v), tf.float32) for v in self.pipeline.variables
+                  if getattr(v, "regularizer", None) is not None]
+        return tf.add_n(values) if values else None
 
     def test_step(self, data):
-        step = self._scatter(data)
-        loss_fn = self._loss_fn(step)
-        if self.execution == "loop":
-            y_preds, extra = self.pipeline.forward(step.xs, self.num_microbatches)
-            terms = [extra]
-            pick = lambda m: tf.nest.map_structure(lambda t: t[m], y_preds)  # noqa: E731
-        else:
-            y_preds, extras = self.pipeline.forward(step.xs, training=False)
-            terms = [e / self.num_microbatches for e in extras if e is not None]
-            pick = lambda m: y_preds[m]  # noqa: E731
+        batch = self._batch(data)
+        split = loss_lib.LossSplit(self._compile_loss)
+        y_pred, call_loss = self.pipeline.forward(batch, training=False)
         with tf.device(self.stage_devices[-1]):
-            for m in range(self.num_microbatches):
-                terms.append(loss_fn(m, pick(m)))
-        return self._update_metrics(step, y_preds, tf.add_n(terms))
+            data_loss, term_values = split.batch_values(batch.y, y_pred, batch.sample_weight)
+            terms = [data_loss] + [t for t in (call_loss, self._regularization_loss())
+                                   if t is not None]
+            loss = tf.add_n(terms)
+        return self._update_metrics(batch, y_pred, loss, split, term_values)
 
     def predict_step(self, data):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        scatter = microbatch.Scatter(x, self.num_microbatches)
-        if self.execution == "loop":
-            y_preds, _ = self.pipeline.forward(scatter.stack(x), self.num_microbatches)
-        else:
-            y_preds, _ = self.pipeline.forward(scatter.split(x), training=False)
-        return self._merge(scatter, y_preds)
+        if self._source is not None:
+            x = self._source.graph.standardize_inputs(x)
+        y_pred, _ = self.pipeline.forward(microbatch.Batch(x, None, None, self.num_microbatches))
+        return y_pred
 
     # -- description and serialisation ----------------------------------
 
@@ -489,21 +509,18 @@ class PipelinedModel(keras.Model):
             f"peak live activations per device={sim.peak_activations}",
             f"{'stage':<7}{'name':<24}{'device':<46}{'layers':>7}{'params':>12}",
         ]
+        seen = set()
         for i, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
             n_layers = len(stage.layers) if hasattr(stage, "layers") else 1
-            params = stage.count_params() if stage.built else 0
+            own = [v for v in stage.weights if id(v) not in seen]
+            seen.update(id(v) for v in own)
+            params = sum(int(np.prod(v.shape)) for v in own)
             lines.append(f"{i:<7}{stage.name:<24}{device:<46}{n_layers:>7}{params:>12,}")
-        lines.extend(self._balance_lines())
+        if self.balance is not None:
+            how = ("as given to from_model" if self.balance_method == "explicit"
+                   else f"from_model, by {self.balance_method}")
+            lines.append(f"Balance: {self.balance} units per stage ({how})")
         return "\n".join(lines)
-
-    def _balance_lines(self):
-        """How `from_model` balanced the stages (nothing for hand-made stages)."""
-        balance = getattr(self, "balance", None)
-        if balance is None:
-            return []
-        method = getattr(self, "balance_method", "explicit")
-        how = "as given to from_model" if method == "explicit" else f"from_model, by {method}"
-        return [f"Balance: {list(balance)} units per stage ({how})"]
 
     def summary(self, *args, print_fn=None, **kwargs):
         """Keras' summary, then the stage table (`pipeline_summary`)."""
@@ -511,14 +528,28 @@ class PipelinedModel(keras.Model):
         (print_fn or print)(self.pipeline_summary())
 
     def get_config(self):
-        return {
+        config = {
             "name": self.name,
-            "stages": [keras.saving.serialize_keras_object(s) for s in self.stages],
-            "num_microbatches": self._num_microbatches_arg,
-            "recompute": self._recompute_arg,
-            "execution": self._execution_arg,
+            "pipeline": self._pipeline_config.to_json(),
             "input_dtype": self._input_dtype,
         }
+        if self._source is not None:
+            config["source_model"] = keras.saving.serialize_keras_object(self._source.model)
+            config["balance"] = list(self._source.balance)
+            config["balance_method"] = self._source.method
+            return config
+        owners = {}
+        for k, stage in enumerate(self.stages):
+            for layer in _internal.flatten_layers(stage):
+                if id(layer) in owners and owners[id(layer)] != k:
+                    raise ValueError(
+                        f"Cannot save {self.name!r}: layer {layer.name!r} is shared by "
+                        f"stages {owners[id(layer)]} and {k}, and stages saved one by one "
+                        f"would no longer share it. Build the pipeline with "
+                        f"PipelinedModel.from_model(model), which saves the model once.")
+                owners[id(layer)] = k
+        config["stages"] = [keras.saving.serialize_keras_object(s) for s in self.stages]
+        return config
 
     def get_build_config(self):
         if not self.built:
@@ -539,42 +570,41 @@ class PipelinedModel(keras.Model):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        """Rebuilds a saved pipeline under the current `PipelineStrategy`.
+
+        The saved pipeline settings are used, except those the strategy in
+        scope was given explicitly (see `tfpipe.config`).
+        """
         config = dict(config)
         strategy = strategy_lib.current_pipeline_strategy() or strategy_lib.PipelineStrategy()
-        stage_configs = config.pop("stages")
-        try:
-            devices = strategy.pipeline_devices(len(stage_configs))[1]
-        except ValueError:
-            devices = ()  # __init__ below raises the same error, with context
-        stages = []
-        for k, stage_config in enumerate(stage_configs):
-            # A deserialised Sequential builds itself: do it on its device.
-            with tf.device(devices[k]) if k < len(devices) else contextlib.nullcontext():
-                stages.append(keras.saving.deserialize_keras_object(
-                    stage_config, custom_objects=custom_objects))
-        return cls(stages=stages, **config)
-
-
-class _Step:
-    """One batch and its micro-batches.
-
-    xs, ys, sws: lists of M structures (unrolled) or structures of (M, b, ...)
-    tensors (loop form); `micro(m)` picks micro-batch m either way (m a Python
-    int or a scalar int32 tensor).
-    """
-
-    def __init__(self, x, y, sample_weight, scatter, xs, ys, sws):
-        self.x, self.y, self.sample_weight = x, y, sample_weight
-        self.scatter, self.xs, self.ys, self.sws = scatter, xs, ys, sws
-
-    def micro(self, m):
-        """(x, y, sample_weight) of micro-batch m."""
-        if isinstance(self.xs, list):
-            return self.xs[m], self.ys[m], self.sws[m]
-
-        def pick(structure):
-            if structure is None:
-                return None
-            return tf.nest.map_structure(lambda t: tf.gather(t, m), structure)
-
-        return pick(self.xs), pick(self.ys), pick(self.sws)
+        saved = config.pop("pipeline", None)
+        if saved is None:  # saved by tfpipe 0.1: settings at the top level
+            saved = {k: config.pop(k, None) for k in ("num_microbatches", "recompute", "execution")}
+        else:
+            saved = config_lib.PipelineConfig.from_json(saved).settings()
+        settings = config_lib.merge(saved, strategy.given_settings).settings()
+        name, input_dtype = config.pop("name", None), config.pop("input_dtype", "float32")
+        with strategy.scope() if strategy_lib.current_pipeline_strategy() is None \
+                else contextlib.nullcontext():
+            if "source_model" in config:
+                # On the host first: the whole model may not fit on one accelerator.
+                with tf.device(_host_device()):
+                    source = keras.saving.deserialize_keras_object(
+                        config["source_model"], custom_objects=custom_objects)
+                named = {} if name is None else {"name": name}
+                pipelined = cls.from_model(source, balance=config["balance"], **named, **settings)
+                pipelined._source.method = config.get("balance_method", "explicit")  # pylint: disable=protected-access
+                return pipelined
+            stage_configs = config.pop("stages")
+            schedule = settings["schedule"]
+            try:
+                devices = strategy.pipeline_devices(len(stage_configs), schedule)[1]
+            except ValueError:
+                devices = ()  # __init__ below raises the same error, with context
+            stages = []
+            for k, stage_config in enumerate(stage_configs):
+                # A deserialised Sequential builds itself: do it on its device.
+                with tf.device(devices[k]) if k < len(devices) else contextlib.nullcontext():
+                    stages.append(keras.saving.deserialize_keras_object(
+                        stage_config, custom_objects=custom_objects))
+            return cls(stages=stages, name=name, input_dtype=input_dtype, **settings)

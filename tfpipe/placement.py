@@ -8,6 +8,8 @@ stages eagerly under their device so none of that can happen unnoticed.
 
 import tensorflow as tf
 
+from tfpipe import _internal
+
 
 def available_devices(device_type=None):
     """Names of the logical devices TensorFlow sees, in index order."""
@@ -73,3 +75,28 @@ def misplaced_variables(variables, device):
         if (have.device_type, have.device_index) != (want.device_type, want.device_index):
             bad.append(f"{getattr(v, 'path', v.name)} on {device_of(v)}")
     return bad
+
+
+def place_variables(stages, stage_devices):
+    """Puts every variable of every stage on its stage's device.
+
+    A variable used by several stages (a shared layer, a tied embedding)
+    lives on the device of the first stage that uses it. Variables already
+    there are left alone; others get their storage re-created there with the
+    same value (`tfpipe._internal.move_variable`); the layers keep their
+    variable objects.
+
+    Returns:
+      {id(variable): stage index} for every variable: its home stage.
+    """
+    homes = {}
+    for k, (stage, device) in enumerate(zip(stages, stage_devices)):
+        want = tf.DeviceSpec.from_string(device)
+        for v in stage.variables:
+            if id(v) in homes:
+                continue
+            homes[id(v)] = k
+            have = tf.DeviceSpec.from_string(device_of(v))
+            if (have.device_type, have.device_index) != (want.device_type, want.device_index):
+                _internal.move_variable(v, device)
+    return homes

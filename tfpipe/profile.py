@@ -25,6 +25,7 @@ import keras
 import tensorflow as tf
 
 from tfpipe import engine
+from tfpipe import loss as loss_lib
 from tfpipe import schedules
 
 
@@ -153,19 +154,21 @@ def record_step(model, x, y=None, sample_weight=None, repeats=2):
         raise ValueError("record_step needs a built, compiled PipelinedModel "
                          "(call model.compile and model.build or fit first).")
     model._check_batch(int(tf.nest.flatten(x)[0].shape[0]), None, "record_step")  # pylint: disable=protected-access
-    recompute = "always" if model.execution == "loop" else model.recompute
-    pipeline = engine.Pipeline(model.stages, model.pipeline_devices, model.schedule, recompute)
+    config = model.pipeline_config
+    if config.execution == "loop":
+        config = dataclasses.replace(config, execution="unrolled", recompute="always")
+    pipeline = engine.Pipeline(model.stages, model.pipeline_devices, config)
     state = list(model.non_trainable_variables)
     meta = []  # filled once, when the step is traced: what each timestamp pair is
 
     @tf.function(jit_compile=False)
     def step(data):
         saved = [tf.identity(v.value) for v in state]
-        batch = model._scatter(data, stacked=False)  # pylint: disable=protected-access
+        batch = model._batch(data)  # pylint: disable=protected-access
         events = []
-        outputs, loss, grads = pipeline.train(
-            batch.xs, model._loss_fn(batch), 1.0, timeline=events)  # pylint: disable=protected-access
-        with tf.control_dependencies([e["end"] for e in events]):
+        result = pipeline.train(batch, loss_lib.LossSplit(model._compile_loss),  # pylint: disable=protected-access
+                                timeline=events)
+        with tf.control_dependencies([e["end"] for e in events] + [result.loss]):
             for var, value in zip(state, saved):
                 var.assign(value)
             starts = tf.stack([e["start"] for e in events])
@@ -174,7 +177,8 @@ def record_step(model, x, y=None, sample_weight=None, repeats=2):
                    for e in events]
         # Returned so that they are computed: Grappler prunes work that only
         # control dependencies (the timestamps) wait for.
-        return starts, ends, (outputs, loss, grads)
+        return starts, ends, (result.y_pred, result.loss,
+                              [g for g in result.grads if g is not None])
 
     data = (x,) if y is None else ((x, y) if sample_weight is None else (x, y, sample_weight))
     data = tf.nest.map_structure(tf.convert_to_tensor, data)

@@ -75,20 +75,21 @@ class StageState:
     def __init__(self, stage):
         self._stage = stage
 
-    def _seed_vars(self):
+    def seed_variables(self):
+        """The stage's seed-generator state variables."""
         # Looked up when tracing, not at construction: a stage's variables
         # exist only once it is built.
         return [g.state for g in _internal.seed_generators(self._stage)]
 
     def snapshot_seeds(self):
         """Current seed states; pass to `replay` to redraw the same masks."""
-        return [tf.identity(v.value) for v in self._seed_vars()]
+        return [tf.identity(v.value) for v in self.seed_variables()]
 
     def replay(self, seeds, fn):
         """Runs `fn()` with seeds set to `seeds`; restores all state after."""
         state_vars = list(self._stage.non_trainable_variables)
         saved = [tf.identity(v.value) for v in state_vars]
-        for var, value in zip(self._seed_vars(), seeds):
+        for var, value in zip(self.seed_variables(), seeds):
             var.assign(value)
         result = fn()
         for var, value in zip(state_vars, saved):

@@ -299,6 +299,22 @@ def get(schedule):
     )
 
 
+def to_config(schedule):
+    """A JSON-friendly description of a schedule: {"class": ..., "config": ...}."""
+    schedule = get(schedule)
+    return {"class": type(schedule).__name__, "config": schedule.get_config()}
+
+
+def from_config(config):
+    """Inverse of `to_config` (also accepts a name, as `get`)."""
+    if not isinstance(config, dict):
+        return get(config)
+    classes = {cls.__name__: cls for cls in (GPipe, OneFOneB, Interleaved, Table)}
+    if config.get("class") not in classes:
+        raise ValueError(f"Unknown schedule class in a saved config: {config!r}.")
+    return classes[config["class"]](**config.get("config", {}))
+
+
 # -- validation and simulation -------------------------------------------------
 
 

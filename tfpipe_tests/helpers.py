@@ -44,18 +44,30 @@ def image_data(n=80, classes=5, seed=0):
     return x, y
 
 
+def twin(model):
+    """An independent copy of `model` with the same weights (the test's
+    plain reference keeps `model`; from_model shares the layers it is given)."""
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    return copy
+
+
 def pipelined_copy(model, num_microbatches, recompute="except_last", balance=None,
                    devices=None, schedule="gpipe", **compile_kwargs):
-    """A PipelinedModel cut from `model` (weights copied), compiled."""
+    """A PipelinedModel cut from a twin of `model` (same weights), compiled."""
     strategy = tfpipe.PipelineStrategy(devices=devices, num_microbatches=num_microbatches,
                                        recompute=recompute, schedule=schedule)
     with strategy.scope():
-        pipelined = tfpipe.PipelinedModel.from_model(model, balance=balance)
+        pipelined = tfpipe.PipelinedModel.from_model(twin(model), balance=balance)
         pipelined.compile(**compile_kwargs)
     return pipelined
 
 
 def stage_weights(pipelined):
+    """The pipeline's weights in the order of its source model (from_model),
+    else stage by stage."""
+    if pipelined.source_model is not None:
+        return pipelined.source_model.get_weights()
     return [w for stage in pipelined.stages for w in stage.get_weights()]
 
 

@@ -1,4 +1,13 @@
-"""Deferred BatchNorm: moving statistics of the whole mini-batch, once per step."""
+"""Deferred BatchNorm: moving statistics of the whole mini-batch, once per step,
+for every BatchNormalization however deeply nested, with nothing stored in
+the layers.
+
+The oracle is plain Keras: a twin of the model with momentum 0 run on one
+micro-batch at a time in training mode leaves each BN's moving statistics
+equal to that micro-batch's statistics (the activations the pipeline's BN
+sees, since both normalise per micro-batch); merged in float64 they give the
+expected whole-batch update.
+"""
 
 import os
 
@@ -7,60 +16,46 @@ import numpy as np
 import pytest
 
 import tfpipe
-from tfpipe import batchnorm
-from tfpipe import placement
+from tfpipe_tests import helpers
 
-MODES = ["always", "except_last", "never"]
-
-
-def _moving(layer):
-    return layer.moving_mean.numpy(), layer.moving_variance.numpy()
+MOMENTUM = 0.8
 
 
-def test_layer_commits_once_with_the_whole_batch_statistics():
-    rng = np.random.default_rng(0)
-    x = (rng.normal(size=(16, 3, 3, 5)) * 3.0 + 5.0).astype("float32")
-    deferred = batchnorm.DeferredBatchNormalization(num_microbatches=4, momentum=0.9)
-    plain = keras.layers.BatchNormalization(momentum=0.9)
-    deferred.build(x.shape)
-    plain.build(x.shape)
-    for step in range(2):
-        start = _moving(deferred)
-        for m in range(4):
-            part = x[4 * m:4 * m + 4] + step
-            # Each micro-batch is normalised with its own statistics, as plain BN.
-            np.testing.assert_array_equal(deferred(part, training=True).numpy(),
-                                          _plain_output(part, deferred))
-            if m < 3:
-                for a, b in zip(_moving(deferred), start):
-                    np.testing.assert_array_equal(a, b)  # nothing committed yet
-        plain(x + step, training=True)  # one full-batch update
-        for a, b in zip(_moving(deferred), _moving(plain)):
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-    assert float(deferred.accumulated_calls) == 0.0  # reset after the commit
+@keras.saving.register_keras_serializable(package="tfpipe_tests")
+class ResidualBlock(keras.layers.Layer):
+    """A user's residual block: BatchNormalization nested inside a layer."""
+
+    def __init__(self, filters, **kwargs):
+        super().__init__(**kwargs)
+        self.filters = filters
+        self.conv = keras.layers.Conv2D(filters, 3, padding="same")
+        self.bn = keras.layers.BatchNormalization(momentum=MOMENTUM)
+
+    def build(self, input_shape):
+        self.conv.build(input_shape)
+        self.bn.build(self.conv.compute_output_shape(input_shape))
+
+    def call(self, x, training=None):
+        return keras.ops.relu(self.bn(self.conv(x), training=training) + x)
+
+    def get_config(self):
+        return {**super().get_config(), "filters": self.filters}
 
 
-def _plain_output(part, like):
-    twin = keras.layers.BatchNormalization(momentum=like.momentum, epsilon=like.epsilon)
-    twin.build(part.shape)
-    twin.set_weights([w.numpy() for w in like.weights[:4]])
-    return twin(part, training=True).numpy()
-
-
-def _bn_net(seed=0):
-    """Conv / BN blocks with a residual skip; every BN sees different activations."""
+def bn_net(seed=0):
+    """BN at the top level, inside a residual block and inside a nested
+    Sequential; every BN sees different activations."""
     keras.utils.set_random_seed(seed)
     x = keras.Input((8, 8, 2))
     h = keras.layers.Conv2D(4, 3, padding="same", name="c1")(x)
-    h = keras.layers.BatchNormalization(momentum=0.8, name="bn1")(h)
-    a = keras.layers.Activation("relu", name="r1")(h)
-    h = keras.layers.Conv2D(4, 3, padding="same", name="c2")(a)
-    h = keras.layers.BatchNormalization(momentum=0.8, name="bn2")(h)
-    h = keras.layers.Add(name="skip")([keras.layers.Activation("relu", name="r2")(h), a])
-    h = keras.layers.Conv2D(3, 3, name="c3")(h)
-    h = keras.layers.BatchNormalization(momentum=0.8, name="bn3")(h)
-    h = keras.layers.GlobalAveragePooling2D(name="gap")(h)
-    return keras.Model(x, keras.layers.Dense(3, name="head")(h), name="bn_net")
+    h = keras.layers.BatchNormalization(momentum=MOMENTUM, name="bn1")(h)
+    h = keras.layers.Activation("relu")(h)
+    h = ResidualBlock(4, name="block")(h)
+    nested = keras.Sequential([keras.layers.Conv2D(3, 3),
+                               keras.layers.BatchNormalization(momentum=MOMENTUM)],
+                              name="nested")
+    h = keras.layers.GlobalAveragePooling2D()(nested(h))
+    return keras.Model(x, keras.layers.Dense(3, activation="softmax", name="head")(h))
 
 
 def _data(n=16, seed=1):
@@ -69,148 +64,141 @@ def _data(n=16, seed=1):
 
 
 def _compile(model):
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
 
 
-def _pipelined(ref, m, mode="except_last", batch_norm="deferred", balance=(3, 3, 3, 2)):
-    with tfpipe.PipelineStrategy(num_microbatches=m, recompute=mode).scope():
-        pipelined = tfpipe.PipelinedModel.from_model(ref, balance=list(balance),
-                                                     batch_norm=batch_norm)
+def _bns(model):
+    return [l for l in model._flatten_layers() if isinstance(l, keras.layers.BatchNormalization)]
+
+
+def _pipelined(model, m, **settings):
+    with tfpipe.PipelineStrategy(num_microbatches=m, **settings).scope():
+        pipelined = tfpipe.PipelinedModel.from_model(model, balance=[2, 2, 2, 2])
         _compile(pipelined)
     return pipelined
 
 
-def _bn_layers(pipelined):
-    return {l.name: l for s in pipelined.stages for l in s.layers
-            if isinstance(l, keras.layers.BatchNormalization)}
+def micro_batch_statistics(model, x, m):
+    """Per BN (in `_bns` order), each micro-batch's (mean, biased variance),
+    float64, from a momentum-0 twin of `model` (plain Keras)."""
+    twin = helpers.twin(model)
+    for bn in _bns(twin):
+        bn.momentum = 0.0
+    stats = []
+    parts = [part for part in np.array_split(x, m) if len(part)]  # empty ones add nothing
+    for part in parts:
+        twin(part, training=True)
+        stats.append([(bn.moving_mean.numpy().astype("float64"),
+                       bn.moving_variance.numpy().astype("float64")) for bn in _bns(twin)])
+    return stats, [len(part) for part in parts]
 
 
-def micro_batch_reference(model, x, m):
-    """Each BN's moving statistics after one step, from the activations it sees.
-
-    A copy of `model` runs each micro-batch in training mode (normalising with
-    micro-batch statistics, as the pipeline does); the expected update uses
-    the mean and biased variance, in float64, of all M micro-batches together.
-    """
-    copy = keras.models.clone_model(model)
-    copy.set_weights(model.get_weights())
-    bns = [l for l in copy.layers if isinstance(l, keras.layers.BatchNormalization)]
-    start = {bn.name: [w.numpy().astype("float64") for w in (bn.moving_mean, bn.moving_variance)]
-             for bn in bns}
-    probe = keras.Model(copy.input, [bn.input for bn in bns])
-    seen = [probe(part, training=True) for part in np.split(x, m)]
-    expected = {}
-    for i, bn in enumerate(bns):
-        acts = np.concatenate([np.asarray(s[i], dtype="float64") for s in seen])
-        axes = tuple(range(acts.ndim - 1))
-        mean0, var0 = start[bn.name]
-        expected[bn.name] = (bn.momentum * mean0 + (1 - bn.momentum) * acts.mean(axes),
-                             bn.momentum * var0 + (1 - bn.momentum) * acts.var(axes))
-    return expected
+def expected_update(model, x, m):
+    """Each BN's moving statistics after one step of deferred BN."""
+    stats, sizes = micro_batch_statistics(model, x, m)
+    w = np.asarray(sizes, "float64") / sum(sizes)
+    out = []
+    for i, bn in enumerate(_bns(model)):
+        means = np.stack([s[i][0] for s in stats])
+        variances = np.stack([s[i][1] for s in stats])
+        mean = (w[:, None] * means).sum(0)
+        variance = (w[:, None] * (variances + (means - mean) ** 2)).sum(0)
+        out.append((bn.momentum * bn.moving_mean.numpy() + (1 - bn.momentum) * mean,
+                    bn.momentum * bn.moving_variance.numpy() + (1 - bn.momentum) * variance))
+    return out
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_pipeline_commits_whole_batch_statistics_once_per_step(mode):
-    ref = _bn_net()
-    x, y = _data()
-    expected = micro_batch_reference(ref, x, 4)
-    pipelined = _pipelined(ref, 4, mode)
-    bns = _bn_layers(pipelined)
-    assert {type(l).__name__ for l in bns.values()} == {"DeferredBatchNormalization"}
-    assert {l.num_microbatches for l in bns.values()} == {4}
+@pytest.mark.parametrize("settings", [
+    dict(recompute="always"), dict(recompute="except_last"), dict(recompute="never"),
+    dict(schedule="1f1b"), dict(execution="loop"),
+], ids=["always", "except_last", "never", "1f1b", "loop"])
+@pytest.mark.parametrize("n", [16, 14])  # 14: micro-batches of 4, 4, 3, 3
+def test_deferred_commits_whole_batch_statistics_once_per_step(settings, n):
+    model = bn_net()
+    x, y = _data(n)
+    expected = expected_update(model, x, 4)
+    pipelined = _pipelined(model, 4, **settings)
+    assert len(_bns(model)) == 3  # top level, in the residual block, in the nested model
     pipelined.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    for name, (mean, var) in expected.items():
-        np.testing.assert_allclose(bns[name].moving_mean.numpy(), mean, atol=1e-5, rtol=1e-5)
-        np.testing.assert_allclose(bns[name].moving_variance.numpy(), var, atol=1e-5, rtol=1e-5)
-    # The first BN sees the same activations as in full-batch training: its
-    # moving statistics equal plain Keras' after one full-batch step.
-    _compile(ref)
-    ref.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    for a, b in zip(_moving(bns["bn1"]), _moving(ref.get_layer("bn1"))):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    for bn, (mean, variance) in zip(_bns(model), expected):
+        np.testing.assert_allclose(bn.moving_mean.numpy(), mean, atol=1e-5, rtol=1e-5,
+                                   err_msg=bn.path)
+        np.testing.assert_allclose(bn.moving_variance.numpy(), variance, atol=1e-5, rtol=1e-5,
+                                   err_msg=bn.path)
 
 
-def test_plain_batch_norm_updates_once_per_micro_batch():
-    ref = _bn_net()
+def test_first_batch_norm_equals_full_batch_keras():
+    # The first BN sees the same activations as unsplit training: its moving
+    # statistics equal plain Keras' after one full-batch step.
+    model = bn_net()
+    plain = helpers.twin(model)
     x, y = _data()
-    pipelined = _pipelined(ref, 4, batch_norm="plain")
-    bn1 = _bn_layers(pipelined)["bn1"]
-    assert type(bn1) is keras.layers.BatchNormalization
-    pipelined.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    # Four momentum updates, each with one micro-batch's statistics.
-    copy = keras.models.clone_model(ref)
-    copy.set_weights(ref.get_weights())
-    probe = keras.Model(copy.input, copy.get_layer("bn1").input)
-    mean = ref.get_layer("bn1").moving_mean.numpy().astype("float64")
-    for part in np.split(x, 4):
-        acts = np.asarray(probe(part), dtype="float64")
-        mean = 0.8 * mean + 0.2 * acts.mean((0, 1, 2))
-    np.testing.assert_allclose(bn1.moving_mean.numpy(), mean, atol=1e-5)
-    deferred = micro_batch_reference(ref, x, 4)["bn1"][0]
-    assert np.max(np.abs(bn1.moving_mean.numpy() - deferred)) > 1e-3  # not the full-batch one
+    _pipelined(model, 4).fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    _compile(plain)
+    plain.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    for a, b in ((model.get_layer("bn1").moving_mean, plain.get_layer("bn1").moving_mean),
+                 (model.get_layer("bn1").moving_variance,
+                  plain.get_layer("bn1").moving_variance)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_plain_mode_updates_once_per_micro_batch():
+    model = bn_net()
+    x, y = _data()
+    start = [(bn.moving_mean.numpy(), bn.moving_variance.numpy()) for bn in _bns(model)]
+    stats, _ = micro_batch_statistics(model, x, 4)
+    _pipelined(model, 4, batch_norm="plain").fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    # Four momentum updates, one per micro-batch, in order.
+    for i, bn in enumerate(_bns(model)):
+        mean = start[i][0].astype("float64")
+        for s in stats:
+            mean = MOMENTUM * mean + (1 - MOMENTUM) * s[i][0]
+        np.testing.assert_allclose(bn.moving_mean.numpy(), mean, atol=1e-5, rtol=1e-5)
 
 
 def test_one_micro_batch_is_plain_keras_exactly():
-    ref = _bn_net()
+    model = bn_net()
+    plain = helpers.twin(model)
     x, y = _data(n=32)
-    pipelined = _pipelined(ref, 1, "always")
-    _compile(ref)
-    ref.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    pipelined.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    got = {(l.name, w.name): w.numpy() for s in pipelined.stages for l in s.layers
-           for w in l.weights}
-    for layer in ref.layers:
-        for w in layer.weights:
-            np.testing.assert_allclose(got[(layer.name, w.name)], w.numpy(), atol=1e-6)
+    _pipelined(model, 1).fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    _compile(plain)
+    plain.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    for a, b in zip(model.weights, plain.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6, err_msg=a.path)
 
 
-def test_hand_written_stages_take_m_from_the_strategy():
-    strategy = tfpipe.PipelineStrategy(num_microbatches=4)
-    with strategy.scope():
-        model = tfpipe.PipelinedModel(
-            [keras.Sequential([keras.layers.Dense(4), batchnorm.DeferredBatchNormalization()]),
-             keras.layers.Dense(2)], input_shape=(None, 3))
-        model.compile(optimizer="sgd", loss="mse")
-    bn = model.stages[0].layers[1]
-    assert bn.num_microbatches == 4
-    for var in bn.weights:
-        assert not placement.misplaced_variables([var], model.stage_devices[0]), var.path
-    x = np.random.default_rng(0).normal(size=(8, 3)).astype("float32")
-    model.fit(x, np.zeros((8, 2), "float32"), batch_size=8, verbose=0)
-    assert float(bn.accumulated_calls) == 0.0  # 4 calls: committed and reset
-    assert np.any(bn.moving_mean.numpy() != 0.0)
+def test_batch_with_fewer_rows_than_micro_batches():
+    # 18 rows in batches of 16: the last has 2 rows for M = 4, so two
+    # micro-batches are empty; the statistics are those of the 2 rows.
+    model = bn_net()
+    x, y = _data(n=18)
+    pipelined = _pipelined(model, 4)
+    pipelined.fit(x[:16], y[:16], batch_size=16, shuffle=False, verbose=0)
+    expected = expected_update(model, x[16:], 4)
+    pipelined.fit(x[16:], y[16:], batch_size=16, shuffle=False, verbose=0)
+    for bn, (mean, variance) in zip(_bns(model), expected):
+        assert np.all(np.isfinite(bn.moving_variance.numpy()))
+        np.testing.assert_allclose(bn.moving_mean.numpy(), mean, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(bn.moving_variance.numpy(), variance, atol=1e-5, rtol=1e-5)
 
 
-def test_serialisable_and_saved_inside_a_pipeline(tmp_path):
-    layer = batchnorm.DeferredBatchNormalization(num_microbatches=3, momentum=0.7)
-    config = keras.saving.serialize_keras_object(layer)
-    assert config["registered_name"] == "tfpipe>DeferredBatchNormalization"
-    again = keras.saving.deserialize_keras_object(config)
-    assert again.num_microbatches == 3 and again.momentum == 0.7
-    ref = _bn_net()
+def test_layers_are_the_users_and_store_no_microbatch_count(tmp_path):
+    model = bn_net()
+    pipelined = _pipelined(model, 2)
+    assert {type(bn) for bn in _bns(pipelined)} == {keras.layers.BatchNormalization}
+    assert [id(bn) for bn in _bns(pipelined)] == [id(bn) for bn in _bns(model)]
     x, y = _data()
-    pipelined = _pipelined(ref, 2)
-    pipelined.fit(x, y, batch_size=8, verbose=0)
+    pipelined.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     path = os.path.join(tmp_path, "bn.keras")
     pipelined.save(path)
-    with tfpipe.PipelineStrategy(num_microbatches=2).scope():
+    # Loaded under M = 4, the same layers defer over 4 micro-batches.
+    with tfpipe.PipelineStrategy(num_microbatches=4).scope():
         loaded = keras.models.load_model(path)
-    bns = _bn_layers(loaded)
-    assert bns["bn2"].num_microbatches == 2
-    np.testing.assert_array_equal(bns["bn2"].moving_variance.numpy(),
-                                  _bn_layers(pipelined)["bn2"].moving_variance.numpy())
+    assert loaded.num_microbatches == 4
     np.testing.assert_allclose(loaded.predict(x, batch_size=8, verbose=0),
                                pipelined.predict(x, batch_size=8, verbose=0), atol=1e-6)
-
-
-def test_bad_batch_norm_arguments():
-    with tfpipe.PipelineStrategy().scope():
-        with pytest.raises(ValueError, match=r"Unknown batch_norm 'sync'.*'deferred'"):
-            tfpipe.PipelinedModel.from_model(_bn_net(), batch_norm="sync")
-        x = keras.Input((4,))
-        renorm = keras.Model(x, keras.layers.BatchNormalization(renorm=True, name="rn")(x))
-        with pytest.raises(ValueError, match=r"Layer 'rn' uses renorm=True.*batch_norm='plain'"):
-            tfpipe.PipelinedModel.from_model(renorm, balance=[1])
-    with pytest.raises(ValueError, match="num_microbatches must be a positive integer"):
-        batchnorm.DeferredBatchNormalization(num_microbatches=0)
+    expected = expected_update(loaded.source_model, x, 4)
+    loaded.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    for bn, (mean, variance) in zip(_bns(loaded.source_model), expected):
+        np.testing.assert_allclose(bn.moving_mean.numpy(), mean, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(bn.moving_variance.numpy(), variance, atol=1e-5, rtol=1e-5)

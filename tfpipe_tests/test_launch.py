@@ -265,3 +265,27 @@ def test_flags_cover_the_config():
     for field in train_lib.TrainConfig.__dataclass_fields__:
         if field != "verbose":
             assert field in flag_names, field
+
+
+@pytest.mark.slow
+def test_resnet_with_default_flags_matches_plain_keras_accuracy(tmp_path):
+    # The residual blocks nest their BatchNormalization layers; deferred BN
+    # must reach them, or the moving statistics (and evaluation) go wrong.
+    from models import resnet_cnn  # pylint: disable=import-outside-toplevel
+
+    result = train_lib.train(_config(tmp_path, model="resnet"))
+    config = train_lib.TrainConfig()
+    data = data_lib.load("digits", seed=config.seed)
+    keras.utils.set_random_seed(config.seed)
+    plain = resnet_cnn.resnet_cnn(data.image_shape, data.num_classes,
+                                  num_blocks=max(4, config.stages))
+    plain.compile(optimizer=keras.optimizers.Adam(config.learning_rate),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    plain.fit(data.x_train, data.y_train, batch_size=config.batch_size, epochs=config.epochs,
+              verbose=0)
+    _, plain_accuracy = plain.evaluate(data.x_val, data.y_val, batch_size=config.batch_size,
+                                       verbose=0)
+    assert plain_accuracy > 0.7
+    assert abs(result["val_accuracy"] - plain_accuracy) < 0.05, (result["val_accuracy"],
+                                                                 plain_accuracy)

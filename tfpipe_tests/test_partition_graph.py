@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import tfpipe
+from tfpipe_tests import helpers
 from tfpipe import graph as graph_lib
 from tfpipe import partition
 from tfpipe import placement
@@ -85,7 +86,7 @@ def test_dag_with_two_inputs_and_outputs_trains_like_keras(mode):
     x, y = _dag_data()
     strategy = tfpipe.PipelineStrategy(num_microbatches=2, recompute=mode)
     with strategy.scope():
-        pipelined = tfpipe.PipelinedModel.from_model(ref, balance=[2, 2, 3, 3])
+        pipelined = tfpipe.PipelinedModel.from_model(helpers.twin(ref), balance=[2, 2, 3, 3])
         pipelined.compile(optimizer="adam", loss=["mse", "mse"])
     assert pipelined.balance == [2, 2, 3, 3] and pipelined.balance_method == "explicit"
     for stage, device in zip(pipelined.stages, pipelined.stage_devices):
@@ -104,7 +105,7 @@ def test_original_model_is_unchanged_and_weights_are_copies():
     ref = _dag()
     before = _weights_by_name(ref.layers)
     with tfpipe.PipelineStrategy(num_microbatches=2).scope():
-        pipelined = tfpipe.PipelinedModel.from_model(ref, balance=[2, 2, 3, 3])
+        pipelined = tfpipe.PipelinedModel.from_model(helpers.twin(ref), balance=[2, 2, 3, 3])
         pipelined.compile(optimizer="sgd", loss=["mse", "mse"])
     x, y = _dag_data(n=8)
     pipelined.fit(x, y, batch_size=8, verbose=0)
@@ -133,7 +134,7 @@ def test_nested_model_is_inlined_and_called_with_outer_training():
     x = rng.normal(size=(16, 5)).astype("float32")
     y = rng.normal(size=(16, 2)).astype("float32")
     with tfpipe.PipelineStrategy(num_microbatches=1, recompute="always").scope():
-        pipelined = tfpipe.PipelinedModel.from_model(ref, balance=[2, 1, 2, 1])
+        pipelined = tfpipe.PipelinedModel.from_model(helpers.twin(ref), balance=[2, 1, 2, 1])
         pipelined.compile(optimizer="sgd", loss="mse")
     ref.compile(optimizer="sgd", loss="mse")
     ref.fit(x, y, batch_size=16, verbose=0)
@@ -144,19 +145,25 @@ def test_nested_model_is_inlined_and_called_with_outer_training():
     assert max(float(np.max(np.abs(ref_weights[k] - got[k]))) for k in ref_weights) < TOL
 
 
-def test_shared_layer_is_rejected_with_its_name():
+def test_a_layer_called_twice_is_one_object_in_every_stage_that_calls_it():
     dense = keras.layers.Dense(4, name="tied")
     x = keras.Input((4,))
     model = keras.Model(x, keras.layers.Dense(2)(dense(dense(x))))
+    graph = tfpipe.graph.model_graph(model)
+    assert [u.op.name for u in graph.units] == ["tied", "tied", model.layers[-1].name]
     with tfpipe.PipelineStrategy().scope():
-        with pytest.raises(ValueError, match=r"layer 'tied' is called at more than one node"):
-            tfpipe.PipelinedModel.from_model(model, balance=[1, 1, 1])
+        pipelined = tfpipe.PipelinedModel.from_model(model, balance=[1, 1, 1])
+    assert pipelined.stages[0].layers[0] is dense and pipelined.stages[1].layers[0] is dense
+    # Stored once, on the first stage's device; both stages use it.
+    assert [v.path for v in pipelined.pipeline.variables].count("tied/kernel") == 1
+    assert pipelined.pipeline.stage_of_variables()[0] == [0, 1]
+    assert tfpipe.placement.device_of(dense.kernel).endswith(pipelined.stage_devices[0][-5:])
 
 
 def test_wrong_input_structure_names_the_stage():
     ref = _dag()
     with tfpipe.PipelineStrategy(num_microbatches=1).scope():
-        pipelined = tfpipe.PipelinedModel.from_model(ref, balance=[2, 2, 3, 3])
+        pipelined = tfpipe.PipelinedModel.from_model(helpers.twin(ref), balance=[2, 2, 3, 3])
     with pytest.raises(ValueError, match=r"stage_0 was called with inputs structured as"):
         pipelined.stages[0]([np.ones((2, 6), "float32")])
 
@@ -164,7 +171,7 @@ def test_wrong_input_structure_names_the_stage():
 def test_balance_by_params_counts_units_of_a_functional_model():
     ref = _dag()
     with tfpipe.PipelineStrategy().scope():
-        pipelined = tfpipe.PipelinedModel.from_model(ref)
+        pipelined = tfpipe.PipelinedModel.from_model(helpers.twin(ref))
     costs = partition.param_costs(ref)
     assert pipelined.balance == partition.split_by_costs(costs, 4)
     assert pipelined.balance_method == "params" and sum(pipelined.balance) == 10
@@ -241,7 +248,7 @@ def test_graph_stages_save_and_load(tmp_path):
     ref = _dag()
     x, y = _dag_data(n=16)
     with tfpipe.PipelineStrategy(num_microbatches=2).scope():
-        pipelined = tfpipe.PipelinedModel.from_model(ref, balance=[2, 2, 3, 3])
+        pipelined = tfpipe.PipelinedModel.from_model(helpers.twin(ref), balance=[2, 2, 3, 3])
         pipelined.compile(optimizer="adam", loss=["mse", "mse"])
     pipelined.fit(x, y, batch_size=8, verbose=0)
     path = os.path.join(tmp_path, "dag.keras")

@@ -27,7 +27,8 @@ def _slots_by_device(model):
     return out
 
 
-@pytest.mark.parametrize("build", ["from_model", "stages_with_input_shape", "lazy_fit"])
+@pytest.mark.parametrize("build", ["from_model", "stages_with_input_shape", "lazy_fit",
+                                   "prebuilt_stages"])
 def test_variables_and_slots_on_stage_devices(build):
     x, y = helpers.regression_data(n=32)
     strategy = tfpipe.PipelineStrategy(num_microbatches=2)
@@ -37,6 +38,13 @@ def test_variables_and_slots_on_stage_devices(build):
                 helpers.reference(helpers.mlp_layers(), (8,)), balance=[1, 1, 1, 1])
         elif build == "stages_with_input_shape":
             model = tfpipe.PipelinedModel(helpers.mlp_layers(), input_shape=(None, 8))
+        elif build == "prebuilt_stages":
+            # Built by the user on the default device first: their variables move.
+            layers = helpers.mlp_layers()
+            keras.Sequential([keras.Input((8,))] + layers)
+            kernels = [l.kernel for l in layers]
+            model = tfpipe.PipelinedModel(layers, input_shape=(None, 8))
+            assert [l.kernel for l in layers] == kernels  # the same Keras variables
         else:
             model = tfpipe.PipelinedModel(helpers.mlp_layers())
         model.compile(optimizer="adam", loss="mse")

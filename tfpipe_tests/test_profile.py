@@ -78,9 +78,12 @@ def test_chrome_trace_png_and_callback(tmp_path):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
-def test_record_step_rejects_a_batch_m_does_not_divide():
+def test_record_step_times_a_ragged_batch_and_leaves_the_model_unchanged():
+    # 10 rows for M = 4: micro-batches of 3, 3, 2 and 2 rows.
     model = _model("gpipe")
     x, y = helpers.regression_data(n=10)
-    with pytest.raises(ValueError, match="batch size 10 is not divisible by num_microbatches=4"):
-        tfpipe.profile.record_step(model, x, y)
-    assert np.isfinite(model.evaluate(x[:8], y[:8], verbose=0))
+    before = [w.numpy() for w in model.weights]
+    timeline = tfpipe.profile.record_step(model, x, y)
+    assert len(timeline.events) == 2 * len(model.stages) * 4  # F and B per stage and micro-batch
+    for a, b in zip(before, model.weights):
+        np.testing.assert_array_equal(a, b.numpy())

@@ -28,7 +28,7 @@ def _pipelined(ref, name, m, execution, recompute, compile_kwargs, balance=None)
                                        schedule=schedule, recompute=recompute,
                                        execution=execution)
     with strategy.scope():
-        model = tfpipe.PipelinedModel.from_model(ref, balance=balance or default_balance)
+        model = tfpipe.PipelinedModel.from_model(helpers.twin(ref), balance=balance or default_balance)
         model.compile(**compile_kwargs)
     return model
 
@@ -203,7 +203,7 @@ def test_user_table_schedule_trains_exactly():
     strategy = tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], num_microbatches=2,
                                        schedule=table)
     with strategy.scope():
-        model = tfpipe.PipelinedModel.from_model(ref, balance=[2, 2])
+        model = tfpipe.PipelinedModel.from_model(helpers.twin(ref), balance=[2, 2])
         model.compile(optimizer="adam", loss="mse")
     ref.compile(optimizer="adam", loss="mse")
     _fit_both(ref, model, x, y)

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
+from tfpipe_tests import helpers
 from tfpipe import _internal
 from tfpipe import partition
 from tfpipe_tests import conftest
@@ -50,12 +51,57 @@ def test_seed_generators_found_in_nested_layers():
     assert len(_internal.seed_generators(stage)) == 2
 
 
-def test_compiled_loss_reductions():
+def test_keras_metadata_on_tensors():
+    @tf.function
+    def check():
+        x = tf.ones((2, 3))
+        probs = keras.activations.softmax(x)
+        assert _internal.get_keras_logits(probs) is x
+        mask = tf.constant([[True, False, True]] * 2)
+        _internal.set_keras_mask(probs, mask)
+        assert _internal.get_keras_mask(probs) is mask
+        joined = _internal.concat_with_metadata([probs, probs])
+        cut = _internal.slice_with_metadata(joined, 1)
+        return (tf.shape(_internal.get_keras_mask(joined))[0],
+                tf.shape(_internal.get_keras_logits(cut))[0])
+    rows, cut_rows = check()
+    assert int(rows) == 4 and int(cut_rows) == 1
+
+
+def test_move_variable_keeps_the_keras_variable_and_its_value():
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    kernel, value = layer.kernel, layer.kernel.numpy()
+    _internal.move_variable(kernel, "/device:CPU:3")
+    assert layer.kernel is kernel and kernel.value.device.endswith("CPU:3")
+    assert (kernel.numpy() == value).all()
+
+
+def test_layer_internals_used_for_graphs_losses_and_batch_norm():
+    inputs = keras.Input((3,))
+    dense = keras.layers.Dense(2, activity_regularizer="l2")
+    out = dense(inputs)
+    op, node, index = _internal.producing_node(out)
+    assert op is dense and index == 0 and node.outputs[0] is out
+    dense(tf.ones((2, 3)))
+    assert len(_internal.call_losses(dense)) == 1  # the activity regulariser
+    bn = keras.layers.BatchNormalization()
+    bn.build((None, 4))
+    assert _internal.batch_norm_reduction_axes(bn) == [0]
+    seen = []
+    with _internal.intercept_moments(bn, lambda *args: seen.append(args)):
+        bn(tf.ones((2, 4)), training=True)
+    bn(tf.ones((2, 4)), training=True)
+    assert len(seen) == 1  # intercepted only inside the context
+
+
+def test_compiled_loss_terms():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    model.compile(loss="mse")
-    assert _internal.compiled_loss_reductions(model) == ["sum_over_batch_size"]
-    model.compile(loss=keras.losses.MeanAbsoluteError(reduction="sum"))
-    assert _internal.compiled_loss_reductions(model) == ["sum"]
+    model.compile(loss=keras.losses.MeanAbsoluteError(reduction="sum"), loss_weights=0.5)
+    model._compile_loss.build(tf.ones((1, 1)), tf.ones((1, 1)))  # pylint: disable=protected-access
+    [(path, loss, weight, name)] = _internal.compiled_loss_terms(model._compile_loss)  # pylint: disable=protected-access
+    assert path == () and loss.reduction == "sum" and weight == 0.5
+    assert _internal.user_loss(model._compile_loss) is not None  # pylint: disable=protected-access
 
 
 def test_balance_by_params_evens_out_parameters():
@@ -73,5 +119,5 @@ def test_balance_by_params_evens_out_parameters():
 def test_from_model_balances_by_params_by_default():
     ref = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(8)])
     with tfpipe.PipelineStrategy().scope():
-        model = tfpipe.PipelinedModel.from_model(ref)
+        model = tfpipe.PipelinedModel.from_model(helpers.twin(ref))
     assert model.balance == [2, 2, 2, 2]

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import tfpipe
+from tfpipe_tests import helpers
 from models import unet as unet_lib
 from tfpipe import graph as graph_lib
 from tfpipe import placement
@@ -46,7 +47,7 @@ def test_trains_in_four_stages_exactly_like_keras():
     x, y = _segmentation_data()
     strategy = tfpipe.PipelineStrategy(num_microbatches=2, recompute="except_last")
     with strategy.scope():
-        pipelined = tfpipe.PipelinedModel.from_model(ref, balance=unet_lib.stage_balance(ref, 4))
+        pipelined = tfpipe.PipelinedModel.from_model(helpers.twin(ref), balance=unet_lib.stage_balance(ref, 4))
         _compile(pipelined)
     for stage, device in zip(pipelined.stages, pipelined.stage_devices):
         assert stage.weights and not placement.misplaced_variables(stage.weights, device)
