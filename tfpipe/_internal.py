@@ -100,6 +100,14 @@ def in_keras_symbolic_build():
     return stateless_scope.in_stateless_scope()
 
 
+def in_keras_symbolic_scope():
+    """True inside Keras' `compute_output_spec` (its symbolic build of a model
+    traces it on placeholders that are dense even for ragged inputs)."""
+    from keras.src.backend.common import symbolic_scope  # pylint: disable=import-outside-toplevel
+
+    return symbolic_scope.in_symbolic_scope()
+
+
 def chain_ops(ops_in_order, after=None):
     """Adds control edges so `ops_in_order` run one after another (after `after`).
 
@@ -189,6 +197,14 @@ def producing_node(tensor):
         return None, None, None
     op = history.operation
     return op, op._inbound_nodes[history.node_index], history.node_index  # pylint: disable=protected-access
+
+
+def keep_input_types(layer):
+    """Stops Keras' `Layer.__call__` from converting `layer`'s inputs (it would
+    turn a RaggedTensor dense), as Keras' functional models do; `layer.call`
+    then converts what needs converting."""
+    layer._convert_input_args = False  # pylint: disable=protected-access
+    layer._allow_non_tensor_positional_args = True  # pylint: disable=protected-access
 
 
 def flatten_layers(layer):

@@ -95,7 +95,7 @@ class Pipeline:
         # logical CPU device runs independent ops of one action (a layer's dW
         # and dx) at once, which a GPU stream would not.
         self.serialize_ops = False
-        self._states = [recompute_lib.StageState(s) for s in self.stages]
+        self.stage_states = [recompute_lib.StageState(s) for s in self.stages]
         # Counts stage calls made while tracing, per stage; tests read it to
         # check that recompute really re-runs stages.
         self.trace_calls = [0] * len(self.stages)
@@ -117,13 +117,16 @@ class Pipeline:
     @property
     def variables(self):
         """The distinct trainable variables of all stages, in stage order."""
-        return self._variable_table()[0]
+        return self.variable_table()[0]
 
     def stage_of_variables(self):
         """For each of `variables`, the stages that use it (first: its home)."""
-        return self._variable_table()[2]
+        return self.variable_table()[2]
 
-    def _variable_table(self):
+    def variable_table(self):
+        """(variables, per_stage, users): the distinct trainable variables in
+        stage order; per stage, the indices of those it uses; per variable, the
+        stages that use it (the first is its home)."""
         unique, index, users = [], {}, []
         per_stage = []
         for k, stage in enumerate(self.stages):
@@ -142,7 +145,7 @@ class Pipeline:
 
     # -- stage calls ---------------------------------------------------------
 
-    def _call(self, k, inputs, training):
+    def call_stage(self, k, inputs, training):
         """Stage k on `inputs`; returns (outputs, its call losses summed or None)."""
         self.trace_calls[k] += 1
         out = self.stages[k](inputs, training=training)
@@ -193,7 +196,7 @@ class Pipeline:
         return boundary.probe(self.stages, x0, training, extra=(y0, sw0), on_output=on_output,
                               connectivity=connectivity, around_stage=around_stage)
 
-    def _forwards_first(self, order):
+    def forwards_first(self, order):
         last = self.num_stages - 1
         positions = [i for i, (_, a) in enumerate(order) if a.stage == last]
         first_b = min((i for i in positions if order[i][1].kind == "B"), default=None)
@@ -227,7 +230,7 @@ class Pipeline:
                 else:
                     h = boundary.unpack(self._after_previous(last, d, acts.pop((k, m))),
                                         interfaces[k - 1])
-                out, extra = self._call(k, h, training)
+                out, extra = self.call_stage(k, h, training)
                 if extra is not None:
                     call_terms.append(extra * batch.split.fraction(m))
                 if k < k_count - 1:
@@ -278,11 +281,11 @@ class Pipeline:
                 last_op[d] = _internal.chain_ops(graph.get_operations()[first_op:], last_op[d])
         return step.finish()
 
-    def _on_home(self, variable, fn, *args):
+    def on_home(self, variable, fn, *args):
         with tf.device(variable.value.device):
             return fn(*args)
 
-    def _add_regularization(self, variables, grads, scale):
+    def add_regularization(self, variables, grads, scale):
         """Adds each weight regulariser's gradient, once per step; returns
         the summed regularisation loss (None without regularisers)."""
         total = []
@@ -298,7 +301,7 @@ class Pipeline:
                 total.append(value)
         return _sum(total)
 
-    def _commit_batch_norm(self, recorder, before, sites_per_stage, batch):
+    def commit_batch_norm(self, recorder, before, sites_per_stage, batch):
         """Deferred BatchNorm: one moving-statistics update per call site.
 
         With plain BatchNorm a stand-in for an empty micro-batch would update
@@ -322,7 +325,7 @@ class Pipeline:
         return ops
 
     @staticmethod
-    def _after_gradient(h, g_out):
+    def after_gradient(h, g_out):
         """`h`, made to depend (by data) on the incoming gradient.
 
         A data dependency (not only a control one) keeps grappler from merging
@@ -355,10 +358,10 @@ class _UnrolledStep:
         self.order = pipeline.run_order(m_count)
         self.interfaces = pipeline.probe(batch, True, split)
         self.plan = loss_lib.Plan(split, batch.split.num_rows,
-                                  pipeline._forwards_first(self.order),  # pylint: disable=protected-access
+                                  pipeline.forwards_first(self.order),
                                   any(i.call_losses for i in self.interfaces))
         self.scale = tf.cast((scale_loss or (lambda v: v))(tf.constant(1.0)), tf.float32)
-        self.variables, self.stage_vars, _ = pipeline._variable_table()  # pylint: disable=protected-access
+        self.variables, self.stage_vars, _ = pipeline.variable_table()
         self.recorder = batchnorm.Recorder(
             pipeline.stages, pipeline.config.batch_norm == "deferred" and m_count > 1)
         self.bn_before = self.recorder.before_step()
@@ -392,7 +395,7 @@ class _UnrolledStep:
         run = self._forward_fn(k, m, packed)
         with self.recorder.forward(k, self.batch.split.real(m)) as calls:
             if recompute_lib.should_recompute(pipeline.recompute, m, self.m_count):
-                seeds_state = pipeline._states[k].snapshot_seeds()  # pylint: disable=protected-access
+                seeds_state = pipeline.stage_states[k].snapshot_seeds()
                 out, extra, parts = run()
                 self.saved[(k, m)] = ("replay", packed, seeds_state)
             else:
@@ -420,7 +423,7 @@ class _UnrolledStep:
         return out if k == self.k_count - 1 else boundary.pack(out, self.interfaces[k])
 
     def _forward_fn(self, k, m, packed):
-        return _Forward(self.pipeline, k, packed, self.interfaces[k - 1] if k else None,
+        return StageForward(self.pipeline, k, packed, self.interfaces[k - 1] if k else None,
                         k == self.k_count - 1, self.split, self.batch, m)
 
     def backward(self, k, m, g_out):
@@ -430,9 +433,9 @@ class _UnrolledStep:
         record = self.saved.pop((k, m))
         if record[0] == "replay":
             _, packed, seeds_state = record
-            # A replay makes new tensors; `_Forward` unpacks the Keras masks
+            # A replay makes new tensors; `StageForward` unpacks the Keras masks
             # and logits back onto them.
-            packed = pipeline._after_gradient(packed, g_out)  # pylint: disable=protected-access
+            packed = pipeline.after_gradient(packed, g_out)
             run = self._forward_fn(k, m, packed)
 
             def replay():
@@ -441,7 +444,7 @@ class _UnrolledStep:
                     result = run()
                 return tape, result
 
-            tape, (out, extra, parts) = pipeline._states[k].replay(seeds_state, replay)  # pylint: disable=protected-access
+            tape, (out, extra, parts) = pipeline.stage_states[k].replay(seeds_state, replay)
             out = self._pack(k, out)
         else:
             _, packed, tape, out, extra, parts = record
@@ -467,7 +470,7 @@ class _UnrolledStep:
                 continue
             if isinstance(g, tf.IndexedSlices) and gradients_lib.gathers_unique_rows(g):
                 self.unique_rows.add(i)
-            self.grads[i] = pipeline._on_home(  # pylint: disable=protected-access
+            self.grads[i] = pipeline.on_home(
                 self.variables[i], gradients_lib.add_gradients, self.grads[i], g)
         if k > 0:
             self.out_grads[(k - 1, m)] = [None if g is None else tf.convert_to_tensor(g)
@@ -489,16 +492,16 @@ class _UnrolledStep:
 
     def finish(self):
         pipeline, variables = self.pipeline, self.variables
-        grads = [pipeline._on_home(v, gradients_lib.merge_rows, g)  # pylint: disable=protected-access
+        grads = [pipeline.on_home(v, gradients_lib.merge_rows, g)
                  if i in self.unique_rows and isinstance(g, tf.IndexedSlices) else g
                  for i, (v, g) in enumerate(zip(variables, self.grads))]
         divisor_sums = self._divisor_sums()
         final_scale = self.plan.final_scale(divisor_sums)
         if final_scale is not None:
-            grads = [pipeline._on_home(v, gradients_lib.scale_gradient, g, final_scale)  # pylint: disable=protected-access
+            grads = [pipeline.on_home(v, gradients_lib.scale_gradient, g, final_scale)
                      for v, g in zip(variables, grads)]
-        reg_total = pipeline._add_regularization(variables, grads, self.scale)  # pylint: disable=protected-access
-        bn_ops = pipeline._commit_batch_norm(  # pylint: disable=protected-access
+        reg_total = pipeline.add_regularization(variables, grads, self.scale)
+        bn_ops = pipeline.commit_batch_norm(
             self.recorder, self.bn_before,
             [batchnorm.stack_sites(calls) if all(c is not None for c in calls) else []
              for calls in self.bn_calls], self.batch)
@@ -514,7 +517,7 @@ class _UnrolledStep:
         return StepResult(y_pred, loss, term_values, grads)
 
 
-class _Forward:
+class StageForward:
     """One stage's forward on one micro-batch, with the loss parts when it is
     the last stage: `run()` -> (outputs, call losses or None, loss parts).
 
@@ -529,7 +532,7 @@ class _Forward:
     def __call__(self):
         h = self.packed if self.interface is None else boundary.unpack(self.packed,
                                                                        self.interface)
-        out, extra = self.pipeline._call(self.k, h, True)  # pylint: disable=protected-access
+        out, extra = self.pipeline.call_stage(self.k, h, True)
         parts = []
         if self.is_last:
             _, y_true, sample_weight = self.batch.micro(self.m)

@@ -103,14 +103,15 @@ def call_unit(op, args, kwargs, env, training):
     return op(*args, **kwargs)
 
 
-def run_units(ops, units, env, training):
-    """Runs `units` (with `ops[i]` standing for `units[i].op`) in order."""
-    for op, unit in zip(ops, units):
-        outputs = call_unit(op, unit.args, unit.kwargs, env, training)
+def run_units(units, env, training):
+    """Calls each unit's operation in order on the tensors in `env`, adding
+    its outputs to `env`; returns `env`."""
+    for unit in units:
+        outputs = call_unit(unit.op, unit.args, unit.kwargs, env, training)
         flat = tf.nest.flatten(outputs)
         if len(flat) != len(unit.outputs):
             raise RuntimeError(
-                f"tfpipe graph bug: {op.name!r} returned {len(flat)} tensors, "
+                f"tfpipe graph bug: {unit.op.name!r} returned {len(flat)} tensors, "
                 f"expected {len(unit.outputs)}."
             )
         env.update(zip(unit.outputs, flat))
@@ -130,9 +131,10 @@ class Graph:
       model: the model read.
     """
 
-    def __init__(self, model, units, inputs, outputs, specs, names, sequential):
+    def __init__(self, model, units, inputs, outputs, specs, names, sequential, kinds=None):
         self.model, self.units, self.inputs, self.outputs = model, units, inputs, outputs
         self.specs, self.names, self.sequential = specs, names, sequential
+        self.kinds = kinds or {}
 
     def __len__(self):
         return len(self.units)
@@ -197,12 +199,16 @@ class _Reader:
         self.model = model
         self.ids = {}        # id(KerasTensor) -> int, in the current scope
         self.specs, self.names = {}, {}
+        self.kinds = {}      # tensor id -> {"sparse": True} or {"ragged": True}
         self.units = []
 
     def fresh_id(self, spec, name):
         i = len(self.specs)
         self.specs[i] = (tuple(spec.shape), keras.backend.standardize_dtype(spec.dtype))
         self.names[i] = name
+        kind = {k: True for k in ("sparse", "ragged") if getattr(spec, k, False)}
+        if kind:
+            self.kinds[i] = kind
         return i
 
     def new_id(self, tensor, name):
@@ -381,7 +387,8 @@ def model_graph(model):
     inputs = map_template(lambda t: Ref(reader.new_id(t, t.name)), model.input)
     reader.read_functional(model)
     outputs = reader.template(model.output, "outputs")
-    return Graph(model, reader.units, inputs, outputs, reader.specs, reader.names, False)
+    return Graph(model, reader.units, inputs, outputs, reader.specs, reader.names, False,
+                 reader.kinds)
 
 
 class Piece:
@@ -446,9 +453,11 @@ def make_stages(graph, balance):
         if graph.sequential:
             stages.append(keras.Sequential([u.op for u in piece.units], name=f"stage_{k}"))
             continue
-        specs = {i: graph.specs[i] for i in refs(piece.inputs)}
+        ids = refs(piece.inputs) + refs(piece.outputs)
+        specs = {i: graph.specs[i] for i in ids}
+        kinds = {i: graph.kinds[i] for i in ids if i in graph.kinds}
         stages.append(GraphStage(piece.units, piece.inputs, piece.outputs, specs,
-                                 name=f"stage_{k}"))
+                                 input_kinds=kinds, name=f"stage_{k}"))
     return stages
 
 
@@ -495,7 +504,10 @@ class GraphStage(keras.layers.Layer):
       inputs: template (nest of `Ref`) matching the structure this stage is
         called with.
       outputs: template of what it returns.
-      input_specs: {tensor id: (shape, dtype)} of the inputs, for `build`.
+      input_specs: {tensor id: (shape, dtype)} of the inputs (for `build`)
+        and, when known, of the outputs (for `compute_output_spec`).
+      input_kinds: {tensor id: {"sparse": True} or {"ragged": True}} for
+        those that are SparseTensors or RaggedTensors.
 
     >>> import keras
     >>> inputs = keras.Input((4,))
@@ -507,7 +519,7 @@ class GraphStage(keras.layers.Layer):
     TensorShape([2, 4])
     """
 
-    def __init__(self, units, inputs, outputs, input_specs, **kwargs):
+    def __init__(self, units, inputs, outputs, input_specs, input_kinds=None, **kwargs):
         kwargs.setdefault("autocast", False)  # the layers inside cast for themselves
         super().__init__(**kwargs)
         operations, seen = [], set()
@@ -522,6 +534,7 @@ class GraphStage(keras.layers.Layer):
             list(units), inputs, outputs,
             {int(i): (tuple(s) if s is not None else None, d)
              for i, (s, d) in dict(input_specs).items()},
+            dict(input_kinds or {}),
         )
 
     @property
@@ -551,17 +564,33 @@ class GraphStage(keras.layers.Layer):
         return flatten_like(template, structure, self.name)
 
     def _run(self, env, training):
-        units = self._program.units
-        return run_units([u.op for u in units], units, env, training)
+        return run_units(self._program.units, env, training)
 
     def build(self, input_shape):
+        if all(getattr(op, "built", True) for op in self._operations):
+            self.built = True  # the model's own layers: built with the model
+            return
         env = {}
         for i, shape in zip(self.input_ids, self._flatten(input_shape, leaf_is_shape=True)):
-            env[i] = keras.KerasTensor(tuple(shape), dtype=self._program.specs[i][1])
+            env[i] = keras.KerasTensor(tuple(shape), dtype=self._program.specs[i][1],
+                                       **self._program.kinds.get(i, {}))
         # Calling each layer on symbolic inputs builds any unbuilt one eagerly,
         # here: under whatever tf.device the caller (PipelinedModel.build) entered.
         self._run(env, training=False)
         self.built = True
+
+    def compute_output_spec(self, inputs, training=None):
+        """The outputs' specs, as the model recorded them (Keras' generic
+        inference would trace the layers on dense placeholders, which a
+        ragged input breaks)."""
+        program = self._program
+        if not all(i in program.specs and program.specs[i][0] is not None
+                   for i in self.output_ids):
+            return super().compute_output_spec(inputs, training=training)
+        return fill(program.outputs, {
+            i: keras.KerasTensor(program.specs[i][0], dtype=program.specs[i][1],
+                                 **program.kinds.get(i, {}))
+            for i in self.output_ids})
 
     def call(self, inputs, training=None):
         env = {}
@@ -584,5 +613,6 @@ class GraphStage(keras.layers.Layer):
 class _Program:
     """How a GraphStage wires its operations (kept out of Keras' tracking)."""
 
-    def __init__(self, units, inputs, outputs, specs):
+    def __init__(self, units, inputs, outputs, specs, kinds=None):
         self.units, self.inputs, self.outputs, self.specs = units, inputs, outputs, specs
+        self.kinds = kinds or {}

@@ -123,13 +123,13 @@ class LoopPipeline(engine.Pipeline):
         interfaces = self.probe(batch, True, split, connectivity=True,
                                 around_stage=recorder.forward)
         ticks = schedules.clock_ticks(self.schedule, m_count, d_count)
-        forwards_first = self._forwards_first(
+        forwards_first = self.forwards_first(
             [(d, a) for row in ticks for d, a in enumerate(row) if a is not None])
         plan = loss_lib.Plan(split, batch.split.num_rows, forwards_first,
                              any(i.call_losses for i in interfaces))
         scale = tf.cast((scale_loss or (lambda v: v))(tf.constant(1.0)), tf.float32)
         codes, mbs, branches = self._tick_tables(ticks)
-        variables, stage_vars, _ = self._variable_table()
+        variables, stage_vars, _ = self.variable_table()
         # Which stage variables and inputs get a gradient: from the traced probe.
         connected_vars = [[variables[i] for i, c in zip(stage_vars[k],
                                                         interfaces[k].variables_connected) if c]
@@ -173,7 +173,7 @@ class LoopPipeline(engine.Pipeline):
             "outs": [_array(s, m_count) for s in _flat_specs(interfaces[-1].specs)],
             "seeds": [[tf.TensorArray(v.dtype, size=m_count, element_shape=v.shape,
                                       clear_after_read=False)
-                       for v in self._states[k].seed_variables()] for k in range(k_count)],
+                       for v in self.stage_states[k].seed_variables()] for k in range(k_count)],
             "gin": [grad_arrays(k) for k in range(k_count - 1)],
             "bn": [bn_arrays(k) for k in range(k_count)],
             "grads": [[slots[d][i].initial() for i in device_vars[d]] for d in range(d_count)],
@@ -189,14 +189,14 @@ class LoopPipeline(engine.Pipeline):
             return _read(st["acts"][k], interfaces[k - 1].specs, m)
 
         def forward_fn(k, m, packed):
-            return engine._Forward(self, k, packed, interfaces[k - 1] if k else None,  # pylint: disable=protected-access
+            return engine.StageForward(self, k, packed, interfaces[k - 1] if k else None,
                                    k == k_count - 1, split, batch, m)
 
         def forward_branch(st, d, k, m):
             st = _copy(st)
             packed = read_input(st, k, m)
             st["seeds"][k] = [ta.write(m, s) for ta, s in
-                              zip(st["seeds"][k], self._states[k].snapshot_seeds())]
+                              zip(st["seeds"][k], self.stage_states[k].snapshot_seeds())]
             with recorder.forward(k, batch.split.real(m)) as calls:
                 out, extra, parts = forward_fn(k, m, packed)()
             if calls:
@@ -226,7 +226,7 @@ class LoopPipeline(engine.Pipeline):
                     result = run()
                 return tape, result
 
-            tape, (out, extra, parts) = self._states[k].replay(seeds_state, replay)
+            tape, (out, extra, parts) = self.stage_states[k].replay(seeds_state, replay)
             sources = engine.float_leaves(packed) if k else []
             if k == k_count - 1:
                 targets = [s for s, _, _ in parts]
@@ -271,21 +271,21 @@ class LoopPipeline(engine.Pipeline):
         grads = [None] * len(variables)
         for d in range(d_count):
             for j, i in enumerate(device_vars[d]):
-                grads[i] = self._on_home(variables[i], gradients_lib.add_gradients, grads[i],
+                grads[i] = self.on_home(variables[i], gradients_lib.add_gradients, grads[i],
                                          slots[d][i].result(state["grads"][d][j]))
         divisor_sums = [acc if t.kind == loss_lib.COUNTED else None
                         for acc, t in zip(state["div"], split.terms)]
         final_scale = plan.final_scale(divisor_sums)
         if final_scale is not None:
-            grads = [self._on_home(v, gradients_lib.scale_gradient, g, final_scale)
+            grads = [self.on_home(v, gradients_lib.scale_gradient, g, final_scale)
                      for v, g in zip(variables, grads)]
-        reg_total = self._add_regularization(variables, grads, scale)
+        reg_total = self.add_regularization(variables, grads, scale)
         sites = []
         for k in range(k_count):
             stacked = [ta.stack() for ta in state["bn"][k]]
             sites.append([(c.layer,) + tuple(stacked[3 * i:3 * i + 3])
                           for i, c in enumerate(interfaces[k].recorded or [])])
-        bn_ops = self._commit_batch_norm(recorder, bn_before, sites, batch)
+        bn_ops = self.commit_batch_norm(recorder, bn_before, sites, batch)
         with tf.device(self.devices[self.stage_device[-1]]):
             data_loss, term_values = plan.values(state["num"], divisor_sums)
             parts = [data_loss] + state["extra"] + ([reg_total] if reg_total is not None else [])
@@ -374,7 +374,7 @@ class LoopPipeline(engine.Pipeline):
             else:
                 h = boundary.unpack(_read(st["acts"][k], interfaces[k - 1].specs, m),
                                     interfaces[k - 1])
-            out, extra = self._call(k, h, training)
+            out, extra = self.call_stage(k, h, training)
             out_packed = boundary.pack(out, interfaces[k])
             if k == k_count - 1:
                 out_packed = batch.split.keep_real(out_packed, m)

@@ -129,6 +129,9 @@ class PipelinedModel(keras.Model):
         strategy = strategy or strategy_lib.PipelineStrategy()
         source = kwargs.pop("_source", None)
         super().__init__(**kwargs)
+        # Inputs reach the stages as given (a functional model's do too); each
+        # stage converts what it takes.
+        _internal.keep_input_types(self)
         self._distribute_strategy = strategy
         self._source = source
         if source is not None and hasattr(source.model, "output_names"):
@@ -302,10 +305,12 @@ class PipelinedModel(keras.Model):
             # Symbolic inputs keep the batch dimension None in every stage's
             # recorded shapes; unbuilt layers still build (create variables)
             # eagerly, under their stage's device.
-            h = _map_shapes(lambda s: keras.KerasTensor(s, dtype=self._input_dtype),
-                            input_shape)
-            if self._source is not None:
-                h = self._source.graph.standardize_inputs(h)
+            if self._source is not None and not self._source.graph.sequential:
+                # The model's own inputs: they say which are sparse or ragged.
+                h = self._source.model.input
+            else:
+                h = _map_shapes(lambda s: keras.KerasTensor(s, dtype=self._input_dtype),
+                                input_shape)
             for stage, device in zip(self.stages, self.stage_devices):
                 with tf.device(device):
                     h = stage(h, training=False)
@@ -336,8 +341,27 @@ class PipelinedModel(keras.Model):
         with tf.init_scope(), self._scope():
             optimizer.build(self.pipeline.variables)
 
+    def compute_output_spec(self, inputs, training=None):
+        if self._source is None:
+            return super().compute_output_spec(inputs, training=training)
+        # The shapes the model recorded (GraphStage.compute_output_spec):
+        # tracing the layers on dense placeholders breaks on ragged inputs.
+        h = inputs
+        for stage in self.stages:
+            h = stage.compute_output_spec(h, training=training)
+        return h
+
     def call(self, inputs, training=None):
         """Runs the stages one after another on the whole batch (no pipelining)."""
+        if self._source is not None and _internal.in_keras_symbolic_scope():
+            # Keras' symbolic build of a built model wants only the outputs'
+            # shapes: the recorded ones (its dense placeholders would break a
+            # layer that takes a ragged input).
+            return tf.nest.map_structure(
+                lambda s: tf.compat.v1.placeholder(s.dtype, s.shape),
+                self.compute_output_spec(inputs, training=training))
+        inputs = tf.nest.map_structure(
+            lambda t: tf.convert_to_tensor(t) if isinstance(t, np.ndarray) else t, inputs)
         h = inputs if self._source is None else self._source.graph.standardize_inputs(inputs)
         for stage, device in zip(self.stages, self.stage_devices):
             with tf.device(device):

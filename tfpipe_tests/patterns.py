@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-N = 44  # rows: batches of 16, 16 and a ragged 12
+N = 46  # rows: batches of 16, 16 and a ragged 14 (micro-batches of 4, 4, 3, 3 at M = 4)
 
 
 @dataclasses.dataclass
@@ -216,7 +216,7 @@ def nested_functional():
 
 def preprocessing():
     """Adapted Normalization and IntegerLookup, and a TextVectorization on strings."""
-    words = np.array(["red green blue", "blue sky", "green red red", "sky"] * (N // 4))
+    words = np.resize(np.array(["red green blue", "blue sky", "green red red", "sky"]), N)
     numbers = _features(d=3) * 5.0 + 3.0
     ids = _rng(7).integers(0, 10, size=(N, 4))
 
@@ -391,9 +391,32 @@ def sparse_input():
     return Pattern("sparse_input", build, data, dict(loss="binary_crossentropy"))
 
 
+def ragged_input():
+    """A tf.RaggedTensor input of token lists of different lengths."""
+    lengths = _rng(12).integers(1, 6, size=N)
+    values = _rng(13).integers(1, 20, size=int(lengths.sum()))
+
+    def build():
+        inputs = keras.Input((None,), ragged=True, dtype="int32")
+        h = keras.layers.Lambda(
+            lambda t: tf.stack([tf.cast(tf.reduce_sum(t, axis=1), "float32") / 50.0,
+                                tf.cast(t.row_lengths(), "float32") / 5.0], axis=1),
+            output_shape=(2,))(inputs)
+        h = keras.layers.Dense(6, activation="relu")(h)
+        return keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(h))
+
+    def data():
+        x = tf.RaggedTensor.from_row_lengths(values.astype("int32"), lengths)
+        y = _classes(k=2)[:, None].astype("float32")
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(16), None, None
+
+    return Pattern("ragged_input", build, data, dict(loss="binary_crossentropy"))
+
+
 def all_patterns():
     return (crossentropy_patterns() + [
         masked_sequence(), ignore_class(), wrappers(), nested_functional(), preprocessing(),
         lambda_and_custom(), shared_layer(), multi_output("dict"), multi_output("list"),
         dict_inputs(), stage_losses(), sample_weights("sum_over_batch_size"),
-        sample_weights("sum"), sample_weights("mean_with_sample_weight"), sparse_input()])
+        sample_weights("sum"), sample_weights("mean_with_sample_weight"), sparse_input(),
+        ragged_input()])

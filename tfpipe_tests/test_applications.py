@@ -8,11 +8,13 @@ steps, pipelined and plainly from the same initial weights:
 
 * M = 1: every weight (BatchNorm statistics included) within 2e-5 of plain
   Keras, and the same history.
-* M = 4: without BatchNorm, the same; with BatchNorm each micro-batch is
-  normalised with its own statistics (as in any pipeline), so the trainable
-  weights are compared with a plain-Keras oracle that does exactly that:
-  one `GradientTape` over the M micro-batch losses, each weighted by its
-  share of the batch, then one optimizer step.
+* M = 4 (one step on 16 images of 64x64): without BatchNorm, the same; with
+  BatchNorm each micro-batch is normalised with its own statistics (as in any
+  pipeline), so the trainable weights are compared with a plain-Keras oracle
+  that does exactly that: one `GradientTape` over the M micro-batch losses,
+  each weighted by its share of the batch, then one SGD step (the oracle runs
+  eagerly, and Adam's first step turns rounding noise in near-zero gradients
+  into whole learning-rate steps).
 
 MobileNetV2 and GPT-2 run by default; the heavier models are marked slow.
 """
@@ -24,7 +26,6 @@ import tensorflow as tf
 
 import tfpipe
 from tfpipe import placement
-from tfpipe_tests import helpers
 
 TOL = 2e-5
 APPS = [
@@ -36,26 +37,29 @@ APPS = [
 ]
 
 
-def _application(name, kwargs, seed=0):
+def _application(name, kwargs, size=32, seed=0):
     keras.utils.set_random_seed(seed)
-    return getattr(keras.applications, name)(weights=None, input_shape=(32, 32, 3), classes=5,
-                                            **kwargs)
+    return getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3),
+                                            classes=5, **kwargs)
 
 
-def _images(n=16):
+def _images(n=16, size=32):
     rng = np.random.default_rng(0)
-    return rng.normal(size=(n, 32, 32, 3)).astype("float32"), rng.integers(0, 5, n)
+    return rng.normal(size=(n, size, size, 3)).astype("float32"), rng.integers(0, 5, n)
 
 
-def _compile(model):
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy",
+def _compile(model, optimizer="adam"):
+    optimizer = keras.optimizers.get({"class_name": optimizer,
+                                      "config": {"learning_rate": 1e-3 if optimizer == "adam"
+                                                 else 1e-3}})
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
 
 
-def _pipelined(model, m):
+def _pipelined(model, m, optimizer="adam"):
     with tfpipe.PipelineStrategy(num_microbatches=m).scope():
         pipelined = tfpipe.PipelinedModel.from_model(model)  # balance by parameters
-        _compile(pipelined)
+        _compile(pipelined, optimizer)
     return pipelined
 
 
@@ -81,7 +85,7 @@ def microbatch_oracle_fit(model, x, y, batch_size, m):
 @pytest.mark.parametrize("name, kwargs", APPS)
 def test_application_with_one_microbatch_is_plain_keras(name, kwargs):
     model = _application(name, kwargs)
-    plain = helpers.twin(model)
+    plain = _application(name, kwargs)  # same weights and dropout seeds
     x, y = _images()
     pipelined = _pipelined(model, 1)
     assert len(pipelined.stages) == 4
@@ -104,19 +108,23 @@ def test_application_with_one_microbatch_is_plain_keras(name, kwargs):
     pytest.param("ConvNeXtTiny", {}, marks=pytest.mark.slow, id="ConvNeXtTiny"),
 ])
 def test_application_with_four_microbatches(name, kwargs):
-    model = _application(name, kwargs)
-    plain = helpers.twin(model)
-    x, y = _images()
-    pipelined = _pipelined(model, 4)
-    _compile(plain)
-    pipelined.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    # 64x64 images, 4 per micro-batch: BatchNorm over a micro-batch of 1x1 maps
+    # of 2 images is so ill-conditioned that rounding alone moves the result.
+    model = _application(name, kwargs, size=64)
+    plain = _application(name, kwargs, size=64)
+    x, y = _images(size=64)
     has_bn = any(isinstance(l, keras.layers.BatchNormalization) for l in model.layers)
+    # SGD against the eager oracle (see the module docstring), else Adam.
+    optimizer = "sgd" if has_bn else "adam"
+    pipelined = _pipelined(model, 4, optimizer)
+    _compile(plain, optimizer)
+    pipelined.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     if has_bn:
-        microbatch_oracle_fit(plain, x, y, 8, 4)
+        microbatch_oracle_fit(plain, x, y, 16, 4)
         assert _max_diff([v.numpy() for v in plain.trainable_variables],
                          [v.numpy() for v in model.trainable_variables]) < TOL
     else:
-        plain.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        plain.fit(x, y, batch_size=16, shuffle=False, verbose=0)
         assert _max_diff(plain.get_weights(), model.get_weights()) < TOL
 
 

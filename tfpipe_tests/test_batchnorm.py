@@ -14,6 +14,7 @@ import os
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfpipe
 from tfpipe_tests import helpers
@@ -202,3 +203,13 @@ def test_layers_are_the_users_and_store_no_microbatch_count(tmp_path):
     for bn, (mean, variance) in zip(_bns(loaded.source_model), expected):
         np.testing.assert_allclose(bn.moving_mean.numpy(), mean, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(bn.moving_variance.numpy(), variance, atol=1e-5, rtol=1e-5)
+
+
+def test_plain_mode_refuses_a_batch_with_fewer_rows_than_micro_batches():
+    # Empty micro-batches run a stand-in row, which plain BN would count.
+    model = bn_net()
+    x, y = _data(n=2)
+    pipelined = _pipelined(model, 4, batch_norm="plain")
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"fewer rows than num_microbatches=4: with batch_norm="):
+        pipelined.fit(x, y, batch_size=16, shuffle=False, verbose=0)

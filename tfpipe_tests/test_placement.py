@@ -113,3 +113,28 @@ def test_training_ops_run_on_stage_devices():
     visit(graph)
     assert None not in matmuls, matmuls.get(None)
     assert set(matmuls) == {("CPU", 0), ("CPU", 1)}
+
+
+def test_hand_written_stages_sharing_a_layer_train_like_keras():
+    # One Dense layer in the first and the last stage: stored once, on the
+    # first stage's device, with the gradients of both uses.
+    keras.utils.set_random_seed(0)
+    shared = keras.layers.Dense(8, activation="tanh", name="shared")
+    middle = keras.layers.Dense(8, name="middle")
+    head = keras.layers.Dense(3, name="head")
+    inputs = keras.Input((8,))
+    plain = keras.Model(inputs, head(shared(middle(shared(inputs)))))
+    twin = helpers.twin(plain)
+    with tfpipe.PipelineStrategy(num_microbatches=4).scope():
+        model = tfpipe.PipelinedModel(
+            [keras.Sequential([twin.get_layer("shared")]),
+             keras.Sequential([twin.get_layer("middle")]),
+             keras.Sequential([twin.get_layer("shared"), twin.get_layer("head")])],
+            input_shape=(None, 8))
+        model.compile(optimizer="adam", loss="mse")
+    plain.compile(optimizer="adam", loss="mse")
+    assert _spec(placement.device_of(twin.get_layer("shared").kernel)) == ("CPU", 0)
+    x, y = helpers.regression_data(n=40)
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    plain.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert helpers.max_abs_diff(plain.get_weights(), twin.get_weights()) < 2e-5
