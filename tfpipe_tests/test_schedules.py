@@ -162,3 +162,235 @@ def test_get_resolves_names_and_rejects_others():
         schedules.get("zb")
     with pytest.raises(ValueError, match="num_microbatches must be a positive integer"):
         schedules.GPipe().actions(0, 2)
+
+
+# -- split backward (I and W) and the zero-bubble schedules ---------------------
+
+ZB_GRID = [(d, m) for d in (2, 3, 4) for m in sorted({d, 2 * d, 8, 16})]
+
+
+def _idle(sim, d):
+    return d * sim.makespan - sum(e - s for row in sim.timeline for _, s, e in row)
+
+
+def test_doctests_in_schedules():
+    import doctest
+    result = doctest.testmod(schedules)
+    assert result.attempted >= 10 and result.failed == 0
+
+
+@pytest.mark.parametrize("text, action", [
+    ("I2.5", Action("I", 2, 5)), ("w0.1", Action("W", 0, 1)), ("i 3 : 4", Action("I", 3, 4)),
+    (("w", 1, 2), Action("W", 1, 2)), ("b1.0", Action("B", 1, 0)),
+])
+def test_parse_split_backward_actions(text, action):
+    assert Action.parse(text) == action
+
+
+def test_unreadable_action_lists_all_four_kinds():
+    with pytest.raises(ValueError, match=r"Cannot read action 'X1\.0'.*'F<stage>.*'B<stage>.*"
+                                         r"'I<stage>.*'W<stage>"):
+        Action.parse("X1.0")
+
+
+@pytest.mark.parametrize("kind, memory, cost", [
+    ("F", 1, "forward"), ("B", -1, "backward"), ("I", 0, "input"), ("W", -1, "weight")])
+def test_kinds_table(kind, memory, cost):
+    assert schedules.KINDS[kind].memory == memory
+    assert schedules.KINDS[kind].cost == cost
+
+
+@pytest.mark.parametrize("action, table, deps", [
+    ("F1.2", (), ["F0.2"]),
+    ("F0.2", (), []),
+    ("B1.2", (), ["F1.2", "B2.2"]),
+    ("B1.2", {Action("I", 2, 2)}, ["F1.2", "I2.2"]),
+    ("I1.2", {Action("I", 2, 2)}, ["F1.2", "I2.2"]),
+    ("I2.2", {Action("I", 2, 2)}, ["F2.2"]),  # last stage: only its forward
+    ("W1.2", (), ["I1.2"]),
+])
+def test_kind_dependencies(action, table, deps):
+    a = Action.parse(action)
+    assert [str(x) for x in schedules.KINDS[a.kind].dependencies(a, 3, table)] == deps
+
+
+@pytest.mark.parametrize("d, m", ZB_GRID)
+def test_zbh1_idle_is_one_third_of_1f1b(d, m):
+    zb = schedules.simulate(schedules.ZeroBubbleH1(), m, d, 1.0, 2.0, weight_cost=1.0)
+    one = schedules.simulate(schedules.OneFOneB(), m, d, 1.0, 2.0)
+    assert _idle(one, d) == pytest.approx(3 * d * (d - 1))
+    assert _idle(zb, d) == pytest.approx(_idle(one, d) / 3)
+    assert zb.makespan == pytest.approx(3 * m + d - 1)
+    # Same pipeline peak as 1F1B (its first device); see the docstring for d > 0.
+    assert zb.peak_activations == [min(m, d)] * d
+    assert max(zb.peak_activations) == max(one.peak_activations)
+
+
+@pytest.mark.parametrize("d, m", ZB_GRID)
+def test_zbv_bubble_near_zero_at_1f1b_memory(d, m):
+    sim = schedules.simulate(schedules.ZeroBubbleV(), m, d, 1.0, 2.0, weight_cost=1.0)
+    assert sim.bubble_fraction == pytest.approx((d - 1) / (6 * m + d - 1))
+    if m >= 2 * d:
+        assert sim.bubble_fraction < 0.06
+    one = schedules.simulate(schedules.OneFOneB(), m, d, 1.0, 2.0)
+    assert _idle(sim, d) == pytest.approx(_idle(one, d) / 6)
+    # Counted in stages, each half a device's share: at most 1F1B's 2 * D halves.
+    assert sim.peak_activations == [2 * min(m, d)] * d
+    assert max(sim.peak_activations) <= 2 * max(one.peak_activations)
+
+
+@pytest.mark.parametrize("m, d", [(4, 4), (8, 4), (16, 4), (8, 2), (3, 5), (1, 3)])
+@pytest.mark.parametrize("schedule, peaks", [
+    (schedules.GPipe(), lambda m, d: [m] * d),
+    (schedules.OneFOneB(), lambda m, d: [min(m, d - i) for i in range(d)]),
+    (schedules.ZeroBubbleH1(), lambda m, d: [min(m, d)] * d),
+    (schedules.ZeroBubbleV(), lambda m, d: [2 * min(m, d)] * d),
+])
+def test_peak_activations_per_device(schedule, peaks, m, d):
+    assert schedules.simulate(schedule, m, d).peak_activations == peaks(m, d)
+
+
+@pytest.mark.parametrize("m, d", GRID)
+@pytest.mark.parametrize("schedule", [schedules.ZeroBubbleH1(), schedules.ZeroBubbleV()])
+def test_zero_bubble_tables_are_complete_and_placed(schedule, m, d):
+    table = schedule.actions(m, d)
+    k = schedule.num_stages(d)
+    assert sorted(a for row in table for a in row) == sorted(
+        Action(kind, s, mb) for kind in "FIW" for s in range(k) for mb in range(m))
+    for dev, row in enumerate(table):
+        assert all(schedule.stage_device(a.stage, d) == dev for a in row)
+    schedules.validate(schedule, m, d)
+    # The same rows as a literal Table: placement (a V for ZB-V) is inferred.
+    literal = schedules.Table([[str(a) for a in row] for row in table])
+    assert [literal.stage_device(s, d) for s in range(k)] == [
+        schedule.stage_device(s, d) for s in range(k)]
+    assert (schedules.simulate(literal, m, d).makespan
+            == schedules.simulate(schedule, m, d).makespan)
+
+
+def test_zbv_is_a_v():
+    zbv = schedules.ZeroBubbleV()
+    assert zbv.num_stages(3) == 6
+    assert [zbv.stage_device(s, 3) for s in range(6)] == [0, 1, 2, 2, 1, 0]
+
+
+@pytest.mark.parametrize("name, cls", [("zbh1", schedules.ZeroBubbleH1),
+                                       ("ZBV", schedules.ZeroBubbleV)])
+def test_zero_bubble_names_and_config(name, cls):
+    schedule = schedules.get(name)
+    assert type(schedule) is cls and name.lower() in schedules.SCHEDULE_NAMES
+    assert schedules.from_config(schedules.to_config(schedule)) == schedule
+    table = schedules.Table(schedule.actions(2, 2))
+    assert schedules.from_config(schedules.to_config(table)).table == table.table
+
+
+@pytest.mark.parametrize("schedule", [schedules.ZeroBubbleH1(), schedules.ZeroBubbleV(),
+                                      schedules.Table([["F0.0", "I0.0", "W0.0"],
+                                                       ["F1.0", "B1.0"]])])
+def test_weight_cost_defaults_to_half_the_backward(schedule):
+    m, d = (1, 2) if isinstance(schedule, schedules.Table) else (8, 2)
+    default = schedules.simulate(schedule, m, d, 1.0, 3.0)
+    explicit = schedules.simulate(schedule, m, d, 1.0, 3.0, weight_cost=1.5)
+    assert default.timeline == explicit.timeline
+    # I costs the rest of the backward.
+    costs = {a.kind: e - s for row in default.timeline for a, s, e in row}
+    v = schedule.virtual_stages
+    assert costs["I"] == costs["W"] == pytest.approx(1.5 / v)
+
+
+def test_per_stage_weight_costs_and_bad_weight_cost():
+    table = schedules.Table([["F0.0", "I0.0", "W0.0"], ["F1.0", "I1.0", "W1.0"]])
+    sim = schedules.simulate(table, 1, 2, [1.0, 1.0], [2.0, 4.0], weight_cost=[0.5, 1.0])
+    # F0, F1, I1 (3), I0 (1.5), W0 (0.5).
+    assert sim.makespan == pytest.approx(1 + 1 + 3 + 1.5 + 0.5)
+    with pytest.raises(ValueError, match=r"weight_cost must be between 0 and backward_cost"):
+        schedules.simulate(table, 1, 2, 1.0, 2.0, weight_cost=3.0)
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([["F0.0", "B0.0", "I0.0", "W0.0"], ["F1.0", "B1.0"]],
+     r"has both B0\.0 and I0\.0 and W0\.0: the backward of stage 0 on micro-batch 0 is "
+     r"either one B or one I"),
+    ([["F0.0", "B0.0", "W0.0"], ["F1.0", "B1.0"]], r"has both B0\.0 and W0\.0"),
+    ([["F0.0", "W0.0"], ["F1.0", "B1.0"]], r"missing 1 action\(s\): I0\.0\..*one I and one W"),
+    ([["F0.0", "I0.0"], ["F1.0", "B1.0"]], r"missing 1 action\(s\): W0\.0"),
+    ([["F0.0", "W0.0", "I0.0"], ["F1.0", "B1.0"]],
+     r"deadlock: device 0 waits at W0\.0 for I0\.0\..*W\(s,m\) needs I\(s,m\)"),
+    ([["F0.0", "I0.0", "W0.0"], ["F1.0", "W1.0", "I1.0"]],
+     r"device 0 waits at I0\.0 for I1\.0; device 1 waits at W1\.0 for I1\.0"),
+    ([["F0.0", "B0.0"], ["I1.0", "F1.0", "W1.0"]],
+     r"device 1 waits at I1\.0 for F1\.0.*I\(s,m\) need F\(s,m\) and the input gradient"),
+])
+def test_split_backward_errors_name_the_actions(rows, message):
+    with pytest.raises(ValueError, match=message):
+        schedules.validate(schedules.Table(rows), 1, 2)
+
+
+def test_mixed_b_and_split_table_runs():
+    # Stage 1 splits, stage 0 does not: B0.0 takes its gradient from I1.0.
+    table = schedules.Table([["F0.0", "B0.0"], ["F1.0", "I1.0", "W1.0"]])
+    order = [str(a) for _, a in schedules.validate(table, 1, 2)]
+    assert order.index("I1.0") < order.index("B0.0")
+    assert schedules.input_gradient_action({Action("I", 1, 0)}, 1, 0) == Action("I", 1, 0)
+    assert schedules.input_gradient_action((), 1, 0) == Action("B", 1, 0)
+
+
+def _check_ticks(ticks, schedule, m, d, forward_only=False):
+    k = schedule.num_stages(d)
+    at = {a: t for t, tick in enumerate(ticks) for a in tick if a is not None}
+    rows = [[a for a in row if a.kind == "F" or not forward_only]
+            for row in schedule.actions(m, d)]
+    assert [[a for tick in ticks for a in tick[dev:dev + 1] if a is not None]
+            for dev in range(d)] == rows
+    for a, t in at.items():
+        for dep in schedules.KINDS[a.kind].dependencies(a, k, at):
+            assert at[dep] < t, (a, dep)
+
+
+@pytest.mark.parametrize("schedule, m, d, costs", [
+    (schedules.OneFOneB(), 8, 4, (1.0, 3.0)),
+    (schedules.GPipe(), 5, 3, (1.0, 2.0, None)),
+    (schedules.Interleaved(2), 8, 4, (1.0, 3.0)),
+    (schedules.ZeroBubbleH1(), 8, 4, (1.0, 2.0, 1.0)),
+    (schedules.ZeroBubbleV(), 6, 3, (1.0, 3.0, 0.5)),
+    (schedules.ZeroBubbleH1(), 4, 2, (1.0, 2.0, 0.0)),  # zero-cost W
+])
+def test_clock_ticks_from_costs_follow_the_simulation(schedule, m, d, costs):
+    ticks = schedules.clock_ticks(schedule, m, d, costs=costs)
+    _check_ticks(ticks, schedule, m, d)
+    _check_ticks(schedules.clock_ticks(schedule, m, d), schedule, m, d)
+    forward = schedules.clock_ticks(schedule, m, d, forward_only=True, costs=costs)
+    _check_ticks(forward, schedule, m, d, forward_only=True)
+    if costs[2:] != (0.0,):
+        # Each action sits at the tick of its simulated start time.
+        sim = schedules.simulate(schedule, m, d, *costs)
+        starts = sorted({s for row in sim.timeline for _, s, _ in row})
+        begins = {a: s for row in sim.timeline for a, s, _ in row}
+        assert {a: starts[t] for t, tick in enumerate(ticks) for a in tick if a} == begins
+
+
+def test_event_order_beats_lock_step_1f1b_58_vs_44():
+    # The numbers: 1F1B, F=1, B=3, M=8, D=4.
+    lock_step = schedules.clock_ticks(schedules.OneFOneB(), 8, 4)
+    assert schedules.tick_makespan(lock_step, 1.0, 3.0) == 58.0
+    assert schedules.simulate(schedules.OneFOneB(), 8, 4, 1.0, 3.0).makespan == 44.0
+    # Event ticks start where the simulation starts each action: the run they
+    # describe (no barrier) ends at 44, no longer than the lock-step 58.
+    events = schedules.clock_ticks(schedules.OneFOneB(), 8, 4, costs=(1.0, 3.0))
+    sim = schedules.simulate(schedules.OneFOneB(), 8, 4, 1.0, 3.0)
+    ends = {a: e for row in sim.timeline for a, _, e in row}
+    assert max(ends[a] for tick in events for a in tick if a) == 44.0 <= 58.0
+    # With equal costs the two clocks agree.
+    for schedule in (schedules.GPipe(), schedules.OneFOneB(), schedules.Interleaved(2)):
+        assert (schedules.clock_ticks(schedule, 8, 4, costs=(1.0, 1.0))
+                == schedules.clock_ticks(schedule, 8, 4))
+
+
+def test_lock_step_ticks_handle_split_backward():
+    ticks = schedules.clock_ticks(schedules.ZeroBubbleH1(), 3, 2)
+    assert [" ".join(str(a) if a else "-" for a in tick) for tick in ticks[:4]] == [
+        "F0.0 -", "F0.1 F1.0", "- I1.0", "I0.0 F1.1"]
+    assert schedules.tick_makespan(ticks, 1.0, 2.0) == len(ticks)  # F = I = W = 1
+    assert schedules.tick_makespan(schedules.clock_ticks(schedules.ZeroBubbleV(), 4, 2), 1.0, 2.0,
+                                   virtual_stages=2) == pytest.approx(
+        schedules.simulate(schedules.ZeroBubbleV(), 4, 2).makespan)
