@@ -62,7 +62,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
 
 from benchmarks import common
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
+TWO_STAGES_PER_DEVICE = ("interleaved", "zbv")
 VIRTUAL_STAGES = 2
 GOAL = 0.9  # measured / ideal at K=2, M>=8
 
@@ -100,7 +101,7 @@ def _schedule(name):
 
 
 def num_stages(schedule, num_devices):
-    return num_devices * (VIRTUAL_STAGES if schedule == "interleaved" else 1)
+    return num_devices * (VIRTUAL_STAGES if schedule in TWO_STAGES_PER_DEVICE else 1)
 
 
 def valid(schedule, num_devices, num_microbatches, layers):
@@ -271,8 +272,9 @@ def run_config(num_devices, num_microbatches, schedule="gpipe", timeout=1800, **
     return row
 
 
-def speedup_grid(devices, microbatches, schedules=SCHEDULES, log=print, **kwargs):
-    """`run_config` for every valid (K, M, schedule); a list of rows."""
+def speedup_grid(devices, microbatches, schedules=SCHEDULES, log=print,
+                 executions=("unrolled",), **kwargs):
+    """`run_config` for every valid (K, M, schedule, execution); a list of rows."""
     layers = kwargs.get("layers", DEFAULT_MODEL["layers"])
     rows = []
     for k in devices:
@@ -280,9 +282,11 @@ def speedup_grid(devices, microbatches, schedules=SCHEDULES, log=print, **kwargs
             for m in microbatches:
                 if not valid(schedule, k, m, layers) or (k == 1 and schedule != "gpipe"):
                     continue
-                row = run_config(k, m, schedule, **kwargs)
-                rows.append(row)
-                log(_speedup_line(row))
+                for execution in executions:
+                    row = run_config(k, m, schedule, execution=execution, **kwargs)
+                    row["execution"] = execution
+                    rows.append(row)
+                    log(_speedup_line(row))
     return rows
 
 
@@ -342,7 +346,7 @@ def _speedup_line(row):
         return (f"K={row['num_devices']} M={row['num_microbatches']:<3} "
                 f"{row['schedule']:<11} ERROR {r['error'].strip().splitlines()[-1]}")
     return (f"K={row['num_devices']} M={row['num_microbatches']:<3} {row['schedule']:<11} "
-            f"plain {r['plain']['step_ms']:8.1f} ms  tfpipe {r['tfpipe']['step_ms']:8.1f} ms  "
+            f"{row.get('execution', 'unrolled'):<8} plain {r['plain']['step_ms']:8.1f} ms  tfpipe {r['tfpipe']['step_ms']:8.1f} ms  "
             f"speed-up {row['speedup']:.2f} (ideal {row['ideal']:.2f}, sim {row['ideal_sim']:.2f})"
             f"  measured/ideal {row['ratio_to_ideal']:.2f}  cpu/wall "
             f"{r['tfpipe']['cpu_per_wall']:.2f}")
@@ -477,6 +481,42 @@ def goal_summary(rows):
     return {"goal": GOAL, "worst_ratio_k2_m_ge_8": worst, "meets_goal": worst >= GOAL}
 
 
+def zero_bubble_summary(rows):
+    """At each (K, M): ZB-H1's speed-up over 1F1B's (both against the plain
+    model in their own child), and ZB-V's measured / simulated ideal."""
+    out = []
+    unrolled = [r for r in rows if r.get("execution", "unrolled") == "unrolled"
+                and r.get("speedup")]
+    for k, m in sorted({(r["num_devices"], r["num_microbatches"]) for r in unrolled}):
+        at = {r["schedule"]: r for r in unrolled
+              if (r["num_devices"], r["num_microbatches"]) == (k, m)}
+        entry = {"num_devices": k, "num_microbatches": m}
+        if "zbh1" in at and "1f1b" in at:
+            entry["zbh1_over_1f1b"] = at["zbh1"]["speedup"] / at["1f1b"]["speedup"]
+            entry["zbh1_over_1f1b_simulated"] = at["zbh1"]["ideal_sim"] / at["1f1b"]["ideal_sim"]
+        if "zbv" in at:
+            entry["zbv_ratio_to_ideal"] = at["zbv"]["ratio_to_ideal"]
+        if len(entry) > 2:
+            out.append(entry)
+    return out
+
+
+def loop_throughput(rows):
+    """Per (K, M, schedule): loop step time over unrolled step time's inverse
+    (loop throughput / unrolled throughput), where both were run."""
+    out = []
+    keys = {(r["num_devices"], r["num_microbatches"], r["schedule"]) for r in rows}
+    for key in sorted(keys):
+        at = {r.get("execution", "unrolled"): r for r in rows
+              if (r["num_devices"], r["num_microbatches"], r["schedule"]) == key
+              and r.get("speedup")}
+        if "loop" in at and "unrolled" in at:
+            out.append({"num_devices": key[0], "num_microbatches": key[1],
+                        "schedule": key[2],
+                        "loop_over_unrolled": at["loop"]["speedup"] / at["unrolled"]["speedup"]})
+    return out
+
+
 def trace_flatness(rows):
     """Loop trace time at the largest M over the smallest, per K (1.0 = flat)."""
     out = {}
@@ -504,7 +544,8 @@ def main(argv):
     info = common.machine()
     print(f"machine: {common.machine_label(info)}; load average {info['load_average_at_start']}")
     rows = speedup_grid(common.parse_ints(f.devices), common.parse_ints(f.microbatches),
-                        [s for s in f.schedules.split(",") if s], **model, **timing)
+                        [s for s in f.schedules.split(",") if s],
+                        executions=[e for e in f.executions.split(",") if e], **model, **timing)
     traces = []
     if f.trace_microbatches:
         traces = trace_grid(common.parse_ints(f.trace_devices),
@@ -512,6 +553,7 @@ def main(argv):
     result = {
         "machine": info, "model": model, "timing": timing, "speedup": rows, "trace": traces,
         "goal": goal_summary(rows), "loop_trace_growth": trace_flatness(traces),
+        "zero_bubble": zero_bubble_summary(rows), "loop_throughput": loop_throughput(rows),
         "wall_s": time.perf_counter() - start,
     }
     out = common.write_json(f.out, result)
@@ -522,6 +564,9 @@ def main(argv):
         print(trace_table(traces))
     print(f"goal (K=2, M>=8, measured/ideal >= {GOAL}): {result['goal']}")
     print(f"loop trace time, largest M / smallest M: {result['loop_trace_growth']}")
+    for entry in result["zero_bubble"] + result["loop_throughput"]:
+        print(", ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
+                        for key, value in entry.items()))
     print(f"wrote {out} and {png} in {result['wall_s']:.0f} s")
 
 
@@ -535,6 +580,9 @@ def _define_flags():
     flags.DEFINE_integer("layers", DEFAULT_MODEL["layers"],
                          "Dense layers in all (a multiple of every stage count).")
     flags.DEFINE_string("recompute", "never", "Recompute mode of the speed-up runs.")
+    flags.DEFINE_string("executions", "unrolled",
+                        "Executions of the speed-up runs (unrolled, loop: needs "
+                        "--recompute=always).")
     flags.DEFINE_integer("repeats", 5, "Timed runs per model; the median is reported.")
     flags.DEFINE_integer("steps", 3, "Steps per timed run.")
     flags.DEFINE_integer("warmup", 2, "Untimed calls per model (the first traces).")

@@ -25,9 +25,9 @@ concatenated. Which gradients exist is decided when tracing, from a traced
 probe of the backward pass (`boundary.probe(connectivity=True)`), so an
 unconnected variable is reported, never fed zeros.
 
-A tick is a barrier: the loop runs its iterations one at a time, and an
-action only reads what earlier ticks wrote (the table guarantees it), so each
-device runs its actions in the schedule's order.
+Ticks are not a barrier: iterations overlap, an action starts once the
+TensorArrays it reads hold its inputs and its device's token says the previous
+action is done; each device runs its actions in the schedule's order.
 
 Memory: only stage inputs are kept (every B recomputes its stage's forward),
 so this form is `recompute="always"`; a B replays the stage with the seeds
@@ -37,12 +37,10 @@ their rows (`_GradientSlot`), as in the unrolled step.
 
 import tensorflow as tf
 
-from tfpipe import batchnorm
 from tfpipe import boundary
-from tfpipe import engine
 from tfpipe import gradients as gradients_lib
 from tfpipe import loss as loss_lib
-from tfpipe import recompute as recompute_lib
+from tfpipe import runtime
 from tfpipe import schedules
 
 
@@ -81,318 +79,353 @@ def _concat(arrays, specs):
     return tf.nest.pack_sequence_as(specs, flat)
 
 
-class LoopPipeline(engine.Pipeline):
-    """`engine.Pipeline` whose steps are a `tf.while_loop` over clock ticks.
+class LoopStore:
+    """The step's state as TensorArrays and tensors in a `tf.while_loop`'s
+    carried dict `st` (see the protocol in `tfpipe.runtime`). A switch
+    branch wraps a copy of `st`; what the handler writes replaces its entries.
 
-    Same arguments as `engine.Pipeline`; the config's recompute must be
-    "always". `train` and `forward` take the same `tfpipe.microbatch.Batch`.
+    Every backward replays its stage (`recompute="always"`), so nothing but
+    stage inputs and seeds is kept; a split backward's W replays too.
     """
 
-    def __init__(self, stages, devices, config, enforce_order=True):
-        recompute_lib.resolve(config.recompute, "loop")  # raises unless "always"
-        super().__init__(stages, devices, config, enforce_order)
+    splits_in_graph = False
 
-    # -- tables ------------------------------------------------------------
+    def __init__(self, layout, st):
+        self.layout, self.st = layout, _copy(st)
+        self.step = layout.step
+        self.start = None  # with a timeline: the current action's start stamp
 
-    def _branches(self):
-        """Per device, the (kind, stage) of switch branches 1.. (0 is idle)."""
-        table = [[] for _ in self.devices]
-        for k, d in enumerate(self.stage_device):
-            table[d] += [("F", k), ("B", k)]
-        return table
+    # -- forward -----------------------------------------------------------
 
-    def _tick_tables(self, ticks):
-        branches = self._branches()
-        codes = [[0 if a is None else 1 + branches[d].index((a.kind, a.stage))
-                  for d, a in enumerate(row)] for row in ticks]
-        mbs = [[0 if a is None else a.microbatch for a in row] for row in ticks]
-        return tf.constant(codes, tf.int32), tf.constant(mbs, tf.int32), branches
+    def begin(self, d, structure, release=()):
+        del d, release
+        if self.start is None:
+            return structure
+        # The action starts once its inputs exist: stamp then, and make its
+        # work wait for the stamp.
+        with tf.control_dependencies(runtime.float_leaves(structure)):
+            self.start = tf.timestamp()
+        with tf.control_dependencies([self.start]):
+            return tf.nest.map_structure(
+                lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, structure)
 
-    # -- training ------------------------------------------------------
+    def replays(self, k, m):
+        return True
 
-    def train(self, batch, split, scale_loss=None, timeline=None):
-        """One step's forward and backward as a while loop over clock ticks.
+    def stage_input(self, k, m):
+        if k == 0:
+            return self.step.batch.micro(m)[0]
+        return _read(self.st["acts"][k], self.step.interfaces[k - 1].specs, m)
 
-        Same arguments and result as `engine.Pipeline.train` (no timeline).
-        """
-        if timeline is not None:
-            raise ValueError("The loop form records no timeline; record the unrolled form.")
-        m_count, k_count, d_count = batch.num_microbatches, self.num_stages, len(self.devices)
-        recorder = batchnorm.Recorder(
-            self.stages, self.config.batch_norm == "deferred" and m_count > 1)
-        interfaces = self.probe(batch, True, split, connectivity=True,
-                                around_stage=recorder.forward)
-        ticks = schedules.clock_ticks(self.schedule, m_count, d_count)
-        forwards_first = self.forwards_first(
-            [(d, a) for row in ticks for d, a in enumerate(row) if a is not None])
-        plan = loss_lib.Plan(split, batch.split.num_rows, forwards_first,
-                             any(i.call_losses for i in interfaces))
-        scale = tf.cast((scale_loss or (lambda v: v))(tf.constant(1.0)), tf.float32)
-        codes, mbs, branches = self._tick_tables(ticks)
-        variables, stage_vars, _ = self.variable_table()
-        # Which stage variables and inputs get a gradient: from the traced probe.
-        connected_vars = [[variables[i] for i, c in zip(stage_vars[k],
-                                                        interfaces[k].variables_connected) if c]
-                          for k in range(k_count)]
-        bn_before = recorder.before_step()
-        n_terms = len(split.terms)
-        var_index = {id(v): i for i, v in enumerate(variables)}
+    def put_output(self, k, m, out):
+        step = self.step
+        if k < step.num_stages - 1:
+            self.st["acts"][k + 1] = _write(self.st["acts"][k + 1], out, m)
+        else:
+            packed = boundary.pack(out, step.interfaces[k])
+            self.st["outs"] = _write(self.st["outs"], step.batch.split.keep_real(packed, m), m)
 
-        def connected_specs(k):
-            """Specs of the float leaves of boundary k that the loss reaches."""
-            floats = [s for s in _flat_specs(interfaces[k].specs)
-                      if isinstance(s, tf.TensorSpec) and s.dtype.is_floating]
-            return [s for s, c in zip(floats, interfaces[k + 1].inputs_connected) if c]
+    def keep(self, k, m, record):
+        self.st["seeds"][k] = [ta.write(m, s) for ta, s in zip(self.st["seeds"][k],
+                                                               record.seeds)]
 
-        def grad_arrays(k):
-            return [_array(s, m_count) for s in connected_specs(k)]
+    def take_kept(self, k, m):
+        return runtime.Replay(self.stage_input(k, m), [ta.read(m) for ta in self.st["seeds"][k]])
 
+    def put_bn(self, k, m, calls):
+        if calls:
+            self.st["bn"][k] = [ta.write(m, t) for ta, t in zip(
+                self.st["bn"][k], [t for c in calls for t in (c.count, c.mean, c.variance)])]
+
+    def add_extra(self, d, value):
+        self.st["extra"][d] = self.st["extra"][d] + value
+
+    def add_loss_parts(self, parts):
+        st = self.st
+        st["num"] = [acc + tf.cast(s, tf.float32) for acc, (s, _, _) in zip(st["num"], parts)]
+        st["div"] = [acc if dp is None else acc + tf.cast(dp, tf.float32)
+                     for acc, (_, dp, _) in zip(st["div"], parts)]
+
+    def divisor_sums(self):
+        return [acc if t.kind == loss_lib.COUNTED else None
+                for acc, t in zip(self.st["div"], self.step.split.terms)]
+
+    def loss_seeds(self, plan):
+        return plan.seeds(self.divisor_sums())
+
+    # -- backward ----------------------------------------------------------
+
+    def output_gradients(self, k, m):
+        """Per float leaf of stage k's output boundary: its gradient, or None
+        where the loss does not reach it."""
+        arrays = iter(zip(self.st["gin"][k], self.layout.connected_specs(k)))
+        grads = []
+        for connected in self.step.interfaces[k + 1].inputs_connected:
+            if not connected:
+                grads.append(None)
+                continue
+            ta, spec = next(arrays)
+            g = ta.read(m)
+            g.set_shape(spec.shape)
+            grads.append(g)
+        return grads
+
+    def put_input_gradients(self, k, m, grads):
+        sources = runtime.float_leaves(self.stage_input(k, m))
+        packed = [tf.zeros_like(t) if g is None else tf.convert_to_tensor(g)
+                  for t, g, c in zip(sources, grads, self.step.interfaces[k].inputs_connected)
+                  if c]
+        self.st["gin"][k - 1] = [ta.write(m, g) for ta, g in zip(self.st["gin"][k - 1], packed)]
+        return []
+
+    def add_weight_gradient(self, d, k, m, i, g):
+        layout = self.layout
+        j = layout.device_vars[d].index(i)
+        self.st["grads"][d] = list(self.st["grads"][d])
+        self.st["grads"][d][j] = layout.slots[d][i].add(self.st["grads"][d][j], g, k, m)
+        return []
+
+    def has_deferred(self, k, m):
+        return False
+
+
+class _Layout:
+    """What the loop's state holds for one step, sized when tracing: the
+    TensorArrays per stage boundary, the gradient slots per device, and
+    which state entries each device's actions write."""
+
+    def __init__(self, pipeline, step):
+        self.pipeline, self.step = pipeline, step
+        m_count, k_count = step.num_microbatches, step.num_stages
+        d_count = len(pipeline.devices)
+        interfaces = step.interfaces
+        backward = step.backward_step
+        var_index = {id(v): i for i, v in enumerate(step.variables)}
         # Per device, the variables its stages' backward passes add to.
-        device_vars = [[] for _ in range(d_count)]
-        slots = [{} for _ in range(d_count)]  # device -> variable index -> _GradientSlot
-        for k in range(k_count):
-            d = self.stage_device[k]
-            for v, c, sparse in zip(self.stages[k].trainable_variables,
+        self.device_vars = [[] for _ in range(d_count)]
+        self.slots = [{} for _ in range(d_count)]  # device -> variable index -> _GradientSlot
+        for k in range(k_count if backward else 0):
+            d = pipeline.stage_device[k]
+            for v, c, sparse in zip(pipeline.stages[k].trainable_variables,
                                     interfaces[k].variables_connected,
                                     interfaces[k].variables_sparse):
                 i = var_index[id(v)]
                 if not c:
                     continue
-                if i not in slots[d]:
-                    device_vars[d].append(i)
-                    slots[d][i] = _GradientSlot(v, m_count)
-                slots[d][i].add_user(k, sparse)
+                if i not in self.slots[d]:
+                    self.device_vars[d].append(i)
+                    self.slots[d][i] = _GradientSlot(v, m_count)
+                self.slots[d][i].add_user(k, sparse)
 
         def bn_arrays(k):
             return [tf.TensorArray(t.dtype, size=m_count, element_shape=t.shape)
-                    for c in interfaces[k].recorded for t in (c.count, c.mean, c.variance)]
+                    for c in interfaces[k].recorded or [] for t in (c.count, c.mean, c.variance)]
 
-        state = {
+        n_terms = len(step.split.terms) if backward else 0
+        self.state = {
             "acts": [[_array(s, m_count) for s in _flat_specs(interfaces[k - 1].specs)]
                      if k else [] for k in range(k_count)],
             "outs": [_array(s, m_count) for s in _flat_specs(interfaces[-1].specs)],
             "seeds": [[tf.TensorArray(v.dtype, size=m_count, element_shape=v.shape,
                                       clear_after_read=False)
-                       for v in self.stage_states[k].seed_variables()] for k in range(k_count)],
-            "gin": [grad_arrays(k) for k in range(k_count - 1)],
-            "bn": [bn_arrays(k) for k in range(k_count)],
-            "grads": [[slots[d][i].initial() for i in device_vars[d]] for d in range(d_count)],
+                       for v in pipeline.stage_states[k].seed_variables()] if backward else []
+                      for k in range(k_count)],
+            "gin": [[_array(s, m_count) for s in self.connected_specs(k)] if backward else []
+                    for k in range(k_count - 1)],
+            "bn": [bn_arrays(k) if backward else [] for k in range(k_count)],
+            "grads": [[self.slots[d][i].initial() for i in self.device_vars[d]]
+                      for d in range(d_count)],
             "extra": [tf.zeros((), tf.float32) for _ in range(d_count)],
+            # Each device's ordering token: its next action starts once every
+            # op of its previous one has run (one stream per device).
+            "token": [tf.zeros((), tf.float32) for _ in range(d_count)],
             "num": [tf.zeros((), tf.float32) for _ in range(n_terms)],
             "div": [tf.zeros((), tf.float32) for _ in range(n_terms)],
         }
+        self.owned = [self._owned_keys(d, n_terms) for d in range(d_count)]
 
-        def read_input(st, k, m):
-            """Stage k's input boundary for micro-batch m (stage 0: the inputs)."""
-            if k == 0:
-                return batch.micro(m)[0]
-            return _read(st["acts"][k], interfaces[k - 1].specs, m)
-
-        def forward_fn(k, m, packed):
-            return engine.StageForward(self, k, packed, interfaces[k - 1] if k else None,
-                                   k == k_count - 1, split, batch, m)
-
-        def forward_branch(st, d, k, m):
-            st = _copy(st)
-            packed = read_input(st, k, m)
-            st["seeds"][k] = [ta.write(m, s) for ta, s in
-                              zip(st["seeds"][k], self.stage_states[k].snapshot_seeds())]
-            with recorder.forward(k, batch.split.real(m)) as calls:
-                out, extra, parts = forward_fn(k, m, packed)()
-            if calls:
-                st["bn"][k] = [ta.write(m, t) for ta, t in zip(
-                    st["bn"][k], [t for c in calls for t in (c.count, c.mean, c.variance)])]
-            out_packed = boundary.pack(out, interfaces[k])
-            if k < k_count - 1:
-                st["acts"][k + 1] = _write(st["acts"][k + 1], out_packed, m)
-            else:
-                st["outs"] = _write(st["outs"], batch.split.keep_real(out_packed, m), m)
-                st["num"] = [acc + tf.cast(s, tf.float32) for acc, (s, _, _) in zip(st["num"], parts)]
-                st["div"] = [acc if dp is None else acc + tf.cast(dp, tf.float32)
-                             for acc, (_, dp, _) in zip(st["div"], parts)]
-            if extra is not None:
-                st["extra"][d] = st["extra"][d] + extra * batch.split.fraction(m)
-            return st
-
-        def backward_branch(st, d, k, m):
-            st = _copy(st)
-            packed = read_input(st, k, m)
-            seeds_state = [ta.read(m) for ta in st["seeds"][k]]
-            run = forward_fn(k, m, packed)
-
-            def replay():
-                with tf.GradientTape() as tape:
-                    tape.watch(engine.float_leaves(packed) if k else [])
-                    result = run()
-                return tape, result
-
-            tape, (out, extra, parts) = self.stage_states[k].replay(seeds_state, replay)
-            sources = engine.float_leaves(packed) if k else []
-            if k == k_count - 1:
-                targets = [s for s, _, _ in parts]
-                seeds = [s * scale for s in plan.seeds(
-                    [acc if t.kind == loss_lib.COUNTED else None
-                     for acc, t in zip(st["div"], split.terms)])]
-            else:
-                outs = engine.float_leaves(boundary.pack(out, interfaces[k]))
-                connected = interfaces[k + 1].inputs_connected
-                targets = [t for t, c in zip(outs, connected) if c]
-                seeds = []
-                for ta, spec in zip(st["gin"][k], connected_specs(k)):
-                    g = ta.read(m)
-                    g.set_shape(spec.shape)
-                    seeds.append(g)
-            if extra is not None:
-                targets.append(extra)
-                seeds.append(tf.cast(batch.split.fraction(m) * scale, extra.dtype))
-            wanted = connected_vars[k]
-            grads = (tape.gradient(targets, sources + wanted, output_gradients=seeds,
-                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                     if targets else [tf.zeros_like(t) for t in sources + wanted])
-            st["grads"][d] = list(st["grads"][d])
-            for v, g in zip(wanted, grads[len(sources):]):
-                i = var_index[id(v)]
-                j = device_vars[d].index(i)
-                st["grads"][d][j] = slots[d][i].add(st["grads"][d][j], g, k, m)
-            if k > 0:
-                in_connected = interfaces[k].inputs_connected
-                st["gin"][k - 1] = [ta.write(m, g) for ta, g in zip(
-                    st["gin"][k - 1],
-                    [g for g, c in zip(grads[:len(sources)], in_connected) if c])]
-            return st
-
-        owned = [self._owned_keys(d, n_terms) for d in range(d_count)]
-
-        def run(kind, st, d, k, m):
-            return (forward_branch if kind == "F" else backward_branch)(st, d, k, m)
-
-        state = self._run_ticks(len(ticks), codes, mbs, branches, owned, run, state)
-
-        grads = [None] * len(variables)
-        for d in range(d_count):
-            for j, i in enumerate(device_vars[d]):
-                grads[i] = self.on_home(variables[i], gradients_lib.add_gradients, grads[i],
-                                         slots[d][i].result(state["grads"][d][j]))
-        divisor_sums = [acc if t.kind == loss_lib.COUNTED else None
-                        for acc, t in zip(state["div"], split.terms)]
-        final_scale = plan.final_scale(divisor_sums)
-        if final_scale is not None:
-            grads = [self.on_home(v, gradients_lib.scale_gradient, g, final_scale)
-                     for v, g in zip(variables, grads)]
-        reg_total = self.add_regularization(variables, grads, scale)
-        sites = []
-        for k in range(k_count):
-            stacked = [ta.stack() for ta in state["bn"][k]]
-            sites.append([(c.layer,) + tuple(stacked[3 * i:3 * i + 3])
-                          for i, c in enumerate(interfaces[k].recorded or [])])
-        bn_ops = self.commit_batch_norm(recorder, bn_before, sites, batch)
-        with tf.device(self.devices[self.stage_device[-1]]):
-            data_loss, term_values = plan.values(state["num"], divisor_sums)
-            parts = [data_loss] + state["extra"] + ([reg_total] if reg_total is not None else [])
-            loss = tf.add_n(parts)
-            y_pred = boundary.unpack(_concat(state["outs"], interfaces[-1].specs), interfaces[-1])
-        if bn_ops:
-            with tf.control_dependencies(bn_ops):
-                loss = tf.identity(loss)
-        return engine.StepResult(y_pred, loss, term_values, grads)
-
-    def _run_ticks(self, num_ticks, codes, mbs, branches, owned, run, state):
-        """The while loop: at tick t, device d runs branch codes[t, d] on mbs[t, d].
-
-        Args:
-          codes, mbs: (T, D) int32 tables (`_tick_tables`).
-          branches: per device, the (kind, stage) of branches 1, 2, ...
-          owned: per device, the state keys its actions write (`_owned_keys`).
-          run: `run(kind, state, d, k, m)` -> the state after the action.
-          state: the loop state (a dict of lists of TensorArrays and tensors).
-        Returns:
-          The state after the last tick.
-        """
-
-        def body(t, st):
-            new = _copy(st)
-            for d in range(len(self.devices)):
-                m = mbs[t, d]
-                fns = [lambda st=st, d=d: _select(st, owned[d])]  # idle
-                for kind, k in branches[d]:
-                    fns.append(lambda st=st, d=d, k=k, m=m, kind=kind:
-                               _select(self._on(d, run, kind, st, d, k, m), owned[d]))
-                with tf.device(self.devices[d]):
-                    result = tf.switch_case(codes[t, d], fns)
-                _assign(new, owned[d], result)
-            return t + 1, new
-
-        # One tick at a time: an action reads only what earlier ticks wrote.
-        _, state = tf.while_loop(lambda t, st: t < num_ticks, body, (tf.constant(0), state),
-                                 parallel_iterations=1)
-        return state
-
-    def _on(self, d, fn, *args):
-        with tf.device(self.devices[d]):
-            return fn(*args)
+    def connected_specs(self, k):
+        """Specs of the float leaves of boundary k that the loss reaches."""
+        interfaces = self.step.interfaces
+        floats = [s for s in _flat_specs(interfaces[k].specs)
+                  if isinstance(s, tf.TensorSpec) and s.dtype.is_floating]
+        return [s for s, c in zip(floats, interfaces[k + 1].inputs_connected) if c]
 
     def _owned_keys(self, d, n_terms):
         """The state entries device d's actions write: (key, index) pairs."""
-        keys = [("extra", d), ("grads", d)]
-        for k, home in enumerate(self.stage_device):
+        keys = [("extra", d), ("grads", d), ("token", d)]
+        for k, home in enumerate(self.pipeline.stage_device):
             if home != d:
                 continue
             keys += [("seeds", k), ("gin", k - 1) if k else None, ("bn", k)]
-            if k < self.num_stages - 1:
+            if k < self.step.num_stages - 1:
                 keys.append(("acts", k + 1))
             else:
                 keys += [("outs", None)] + [("num", j) for j in range(n_terms)] + \
                         [("div", j) for j in range(n_terms)]
         return [key for key in keys if key is not None]
 
-    # -- forward only (evaluate / predict) ---------------------------------
+    # -- the timeline ------------------------------------------------------
 
-    def forward(self, batch, training=False):
-        """The schedule's forward actions as a while loop over clock ticks.
+    def add_timeline(self, ticks):
+        """Adds per device a float64 TensorArray of (start, end) stamps, two
+        per action in the device's order, and the (T, D) table of positions."""
+        rows = [[row[d] for row in ticks if row[d] is not None]
+                for d in range(len(self.pipeline.devices))]
+        self.timeline_rows = rows
+        self.positions = tf.constant(
+            [[0 if a is None else rows[d].index(a) for d, a in enumerate(row)]
+             for row in ticks], tf.int32)
+        self.state["times"] = [tf.TensorArray(tf.float64, size=2 * len(r)) for r in rows]
+        for d, owned in enumerate(self.owned):
+            owned.append(("times", d))
 
-        Same arguments and result as `engine.Pipeline.forward`.
+    def stamp(self, st, d, t, start, end):
+        """Writes action (t, d)'s start and end seconds."""
+        at = 2 * self.positions[t, d]
+        st["times"][d] = st["times"][d].write(at, start).write(at + 1, end)
+
+    def timeline_events(self, st):
+        """One dict per action, as the unrolled backend appends them."""
+        events = []
+        for d, row in enumerate(self.timeline_rows):
+            stamps = st["times"][d].stack()
+            for i, a in enumerate(row):
+                events.append(dict(device=d, kind=a.kind, stage=a.stage,
+                                   microbatch=a.microbatch, start=stamps[2 * i],
+                                   end=stamps[2 * i + 1]))
+        return events
+
+    # -- the end of the step (what `Step.finish` reads) -----------------
+
+    def finished(self, st):
+        return _FinishedStore(self, st)
+
+
+class _FinishedStore:
+    """The loop's final state, read by `Step.finish`/`finish_forward`."""
+
+    def __init__(self, layout, st):
+        self.layout, self.st, self.step = layout, st, layout.step
+
+    def gradients(self):
+        layout, step = self.layout, self.step
+        grads = [None] * len(step.variables)
+        for d, indices in enumerate(layout.device_vars):
+            for j, i in enumerate(indices):
+                grads[i] = layout.pipeline.on_home(
+                    step.variables[i], gradients_lib.add_gradients, grads[i],
+                    layout.slots[d][i].result(self.st["grads"][d][j]))
+        return grads
+
+    def divisor_sums(self):
+        return LoopStore.divisor_sums(self)
+
+    def numerator_sums(self):
+        return self.st["num"]
+
+    def extra_terms(self):
+        return list(self.st["extra"])
+
+    def bn_sites(self):
+        sites = []
+        for k in range(self.step.num_stages):
+            stacked = [ta.stack() for ta in self.st["bn"][k]]
+            sites.append([(c.layer,) + tuple(stacked[3 * i:3 * i + 3])
+                          for i, c in enumerate(self.step.interfaces[k].recorded or [])])
+        return sites
+
+    def merged_outputs(self):
+        interface = self.step.interfaces[-1]
+        return boundary.unpack(_concat(self.st["outs"], interface.specs), interface)
+
+
+class LoopBackend:
+    """Walks the schedule as a `tf.while_loop` over clock ticks."""
+
+    def train(self, pipeline, batch, split, scale_loss, timeline):
+        ticks = schedules.clock_ticks(pipeline.schedule, batch.num_microbatches,
+                                      len(pipeline.devices))
+        step = runtime.Step(pipeline, batch, _order(ticks), split, scale_loss, training=True,
+                            connectivity=True)
+        layout = _Layout(pipeline, step)
+        if timeline is not None:
+            layout.add_timeline(ticks)
+        state = self._run(pipeline, step, layout, ticks)
+        if timeline is not None:
+            timeline += layout.timeline_events(state)
+        return step.finish(layout.finished(state))
+
+    def forward(self, pipeline, batch, training):
+        ticks = schedules.clock_ticks(pipeline.schedule, batch.num_microbatches,
+                                      len(pipeline.devices), forward_only=True)
+        step = runtime.Step(pipeline, batch, _order(ticks), None, training=training)
+        layout = _Layout(pipeline, step)
+        return step.finish_forward(layout.finished(self._run(pipeline, step, layout, ticks)))
+
+    @staticmethod
+    def _run(pipeline, step, layout, ticks):
+        """The while loop: at tick t, device d runs its action of the tick.
+
+        Each device's actions are the branches of a `tf.switch_case` (0: idle)
+        over the (kind, stage) pairs it has in the table; the (T, D) tables of
+        branch codes and micro-batches are constants, so the body is traced
+        once, whatever M is.
         """
-        m_count, k_count, d_count = batch.num_microbatches, self.num_stages, len(self.devices)
-        interfaces = self.probe(batch, training)
-        ticks = schedules.clock_ticks(self.schedule, m_count, d_count, forward_only=True)
-        codes, mbs, branches = self._tick_tables(ticks)
-        state = {
-            "acts": [[_array(s, m_count) for s in _flat_specs(interfaces[k - 1].specs)]
-                     if k else [] for k in range(k_count + 1)],
-            "extra": [tf.zeros((), tf.float32) for _ in range(d_count)],
-        }
-        owned = []
-        for d in range(d_count):
-            keys = [("extra", d)] + [("acts", k + 1) for k, home in enumerate(self.stage_device)
-                                     if home == d]
-            owned.append(keys)
+        d_count = len(pipeline.devices)
+        branches = [sorted({(a.kind, a.stage) for row in ticks for a in [row[d]] if a},
+                           key=lambda ks: (ks[1], "FBIW".index(ks[0])))
+                    for d in range(d_count)]
+        codes = tf.constant([[0 if a is None else 1 + branches[d].index((a.kind, a.stage))
+                              for d, a in enumerate(row)] for row in ticks], tf.int32)
+        mbs = tf.constant([[0 if a is None else a.microbatch for a in row] for row in ticks],
+                          tf.int32)
+        owned = layout.owned
 
-        def step(st, d, k, m):
-            st = _copy(st)
-            if k == 0:
-                h = batch.micro(m)[0]
-            else:
-                h = boundary.unpack(_read(st["acts"][k], interfaces[k - 1].specs, m),
-                                    interfaces[k - 1])
-            out, extra = self.call_stage(k, h, training)
-            out_packed = boundary.pack(out, interfaces[k])
-            if k == k_count - 1:
-                out_packed = batch.split.keep_real(out_packed, m)
-            st["acts"][k + 1] = _write(st["acts"][k + 1], out_packed, m)
-            if extra is not None:
-                st["extra"][d] = st["extra"][d] + extra * batch.split.fraction(m)
-            return st
+        def act(st, d, kind, k, m):
+            store = LoopStore(layout, st)
+            graph = tf.compat.v1.get_default_graph()
+            first_op = len(graph.get_operations())
+            timed = "times" in st
+            with tf.device(pipeline.devices[d]):
+                # Every op of the action (variable reads and the replay's seed
+                # assignments included) waits for the device's previous action.
+                with tf.control_dependencies([st["token"][d]]):
+                    store.start = tf.timestamp() if timed else None
+                    step.run(store, d, schedules.Action(kind, k, m))
+                with tf.control_dependencies(graph.get_operations()[first_op:]):
+                    store.st["token"][d] = tf.identity(st["token"][d])
+                    if timed:
+                        layout.stamp(store.st, d, t_now[0], store.start, tf.timestamp())
+            return _select(store.st, owned[d])
 
-        def run(kind, st, d, k, m):
-            del kind  # a forward-only table has no B actions
-            return step(st, d, k, m)
+        t_now = [None]
 
-        state = self._run_ticks(len(ticks), codes, mbs, branches, owned, run, state)
-        with tf.device(self.devices[self.stage_device[-1]]):
-            y_pred = boundary.unpack(_concat(state["acts"][k_count], interfaces[-1].specs),
-                                     interfaces[-1])
-        extras = [i.call_losses for i in interfaces]
-        return y_pred, (tf.add_n(state["extra"]) if any(extras) else None)
+        def body(t, st):
+            t_now[0] = t
+            new = _copy(st)
+            for d in range(d_count):
+                m = mbs[t, d]
+                fns = [lambda st=st, d=d: _select(st, owned[d])]  # idle
+                for kind, k in branches[d]:
+                    fns.append(lambda st=st, d=d, k=k, m=m, kind=kind: act(st, d, kind, k, m))
+                with tf.device(pipeline.devices[d]):
+                    result = tf.switch_case(codes[t, d], fns)
+                _assign(new, owned[d], result)
+            return t + 1, new
+
+        # No barrier between ticks: iterations overlap, so an action starts as
+        # soon as its inputs exist (data dependencies through the TensorArrays)
+        # and its device's token says the previous action is done. The ticks
+        # only fix each device's order; the step runs event-driven.
+        _, state = tf.while_loop(lambda t, st: t < len(ticks), body,
+                                 (tf.constant(0), layout.state),
+                                 parallel_iterations=max(1, len(ticks)))
+        return state
+
+
+def _order(ticks):
+    return [(d, a) for row in ticks for d, a in enumerate(row) if a is not None]
 
 
 class _GradientSlot:

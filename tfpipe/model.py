@@ -29,7 +29,6 @@ from tfpipe import _internal
 from tfpipe import batchnorm
 from tfpipe import config as config_lib
 from tfpipe import engine
-from tfpipe import loop
 from tfpipe import loss as loss_lib
 from tfpipe import microbatch
 from tfpipe import partition
@@ -180,8 +179,7 @@ class PipelinedModel(keras.Model):
         self._pipeline_config = config
         # The D devices the schedule runs on; stage k lives on stage_devices[k].
         self.pipeline_devices, self.stage_devices = devices, stage_devices
-        pipeline_class = loop.LoopPipeline if config.execution == "loop" else engine.Pipeline
-        self.pipeline = pipeline_class(self.stages, devices, config)
+        self.pipeline = engine.Pipeline(self.stages, devices, config)
         if self.built:
             batchnorm.check_layers(self.stages, config.batch_norm)
         # Steps traced for the old configuration must not be reused.

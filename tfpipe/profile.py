@@ -31,7 +31,8 @@ from tfpipe import schedules
 
 @dataclasses.dataclass
 class Event:
-    """One action: `kind` "F"/"B" of `stage` on `microbatch`, on `device`."""
+    """One action: `kind` ("F", "B", "I" or "W", `schedules.KINDS`) of
+    `stage` on `microbatch`, on `device`."""
 
     device: int
     kind: str
@@ -78,7 +79,7 @@ class Timeline:
                  for d, name in enumerate(self.devices)]
         for e in self.events:
             trace.append({
-                "name": e.name, "cat": "forward" if e.kind == "F" else "backward",
+                "name": e.name, "cat": schedules.KINDS[e.kind].description,
                 "ph": "X", "pid": 0, "tid": e.device,
                 "ts": e.start_ms * 1e3, "dur": max(e.end_ms - e.start_ms, 0.0) * 1e3,
                 "args": {"stage": e.stage, "microbatch": e.microbatch},
@@ -98,7 +99,10 @@ class Timeline:
 
         d_count = len(self.devices)
         fig, ax = plt.subplots(figsize=(10, 0.6 * d_count + 1.6))
-        colours = {"F": "#4c72b0", "B": "#dd8452"}
+        colours = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#8c8c8c"}
+        for kind in sorted({e.kind for e in self.events}, key="FBIW".index):
+            ax.broken_barh([], (0, 0), facecolors=colours[kind],
+                           label=f"{kind}: {schedules.KINDS[kind].description}")
         for e in self.events:
             width = max(e.end_ms - e.start_ms, 1e-6)
             ax.broken_barh([(e.start_ms, width)], (e.device - 0.4, 0.8),
@@ -109,6 +113,7 @@ class Timeline:
         ax.set_yticks(range(d_count))
         ax.set_yticklabels([f"device {d}" for d in range(d_count)])
         ax.invert_yaxis()
+        ax.legend(loc="upper right", fontsize=7, ncol=4)
         ax.set_xlabel("time in the step (ms)")
         ax.set_title(
             f"{self.schedule}, M={self.num_microbatches}: bubble measured "
@@ -136,9 +141,9 @@ def _stage_costs(events, num_stages, kind):
 def record_step(model, x, y=None, sample_weight=None, repeats=2):
     """Runs and times one training step of a compiled `PipelinedModel`.
 
-    The forward and backward run exactly as in `fit` (same schedule, devices
-    and recompute; the loop form is timed as its unrolled equivalent with
-    recompute "always"), but no optimizer update is applied, and all
+    The forward and backward run exactly as in `fit` (same schedule, devices,
+    recompute and execution: both backends stamp each action), but no
+    optimizer update is applied, and all
     non-trainable state (BatchNorm statistics, RNG seeds) is restored after,
     so the model is unchanged.
 
@@ -154,10 +159,7 @@ def record_step(model, x, y=None, sample_weight=None, repeats=2):
         raise ValueError("record_step needs a built, compiled PipelinedModel "
                          "(call model.compile and model.build or fit first).")
     model._check_batch(int(tf.nest.flatten(x)[0].shape[0]), None, "record_step")  # pylint: disable=protected-access
-    config = model.pipeline_config
-    if config.execution == "loop":
-        config = dataclasses.replace(config, execution="unrolled", recompute="always")
-    pipeline = engine.Pipeline(model.stages, model.pipeline_devices, config)
+    pipeline = engine.Pipeline(model.stages, model.pipeline_devices, model.pipeline_config)
     state = list(model.non_trainable_variables)
     meta = []  # filled once, when the step is traced: what each timestamp pair is
 
@@ -195,9 +197,13 @@ def record_step(model, x, y=None, sample_weight=None, repeats=2):
     span = max(e.end_ms for e in events)
     busy = sum(e.end_ms - e.start_ms for e in events)
     forward = _stage_costs(events, k_count, "F")
-    backward = _stage_costs(events, k_count, "B")
+    weight = _stage_costs(events, k_count, "W")
+    # A split backward's cost is its I plus its W.
+    backward = [b + i + w for b, i, w in zip(_stage_costs(events, k_count, "B"),
+                                             _stage_costs(events, k_count, "I"), weight)]
     m_count = model.num_microbatches
-    simulated = schedules.simulate(model.schedule, m_count, d_count, forward, backward)
+    simulated = schedules.simulate(model.schedule, m_count, d_count, forward, backward,
+                                   weight_cost=weight)
     ideal = schedules.simulate(model.schedule, m_count, d_count)
     return Timeline(events, list(model.pipeline_devices), model.schedule.name, m_count,
                     1.0 - busy / (d_count * span) if span else 0.0,

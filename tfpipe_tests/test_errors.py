@@ -201,7 +201,7 @@ ERRORS = [
      r"asks for 4 stages but the strategy has 2 devices"),
     ("balance_method", unknown_balance_method, r"Unknown balance 'speed'"),
     ("schedule_name", strategy(schedule="gpipee"),
-     r"Unknown schedule 'gpipee'.*\['gpipe', '1f1b', 'interleaved'\]"),
+     r"Unknown schedule 'gpipee'.*\['gpipe', '1f1b', 'interleaved', 'zbh1', 'zbv'\]"),
     ("recompute_name", strategy(recompute="sometimes"), r"Unknown recompute mode 'sometimes'"),
     ("model_recompute_name", model_argument(recompute="yes"), r"Unknown recompute mode 'yes'"),
     ("execution_name", strategy(execution="graph"), r"Unknown execution 'graph'"),

@@ -8,21 +8,28 @@ import tfpipe
 from tfpipe_tests import helpers
 
 
-@pytest.mark.parametrize("mode, calls_per_stage", [
-    ("never", 4),          # M forward calls
-    ("except_last", 7),    # M forwards + (M - 1) replays
-    ("always", 8),         # M forwards + M replays
+@pytest.mark.parametrize("schedule, execution, mode, calls_per_stage", [
+    ("gpipe", "unrolled", "never", [4] * 4),          # M forward calls
+    ("gpipe", "unrolled", "except_last", [7] * 4),    # M forwards + (M - 1) replays
+    ("gpipe", "unrolled", "always", [8] * 4),         # M forwards + M replays
+    # A split backward in the unrolled form is one tape.gradient at I: no replay for W.
+    ("zbh1", "unrolled", "never", [4] * 4),
+    ("zbh1", "unrolled", "always", [8] * 4),
+    # The loop traces each branch once: F, I (none on stage 0: no input gradient), W.
+    ("zbh1", "loop", "always", [2, 3, 3, 3]),
+    ("1f1b", "loop", "always", [2] * 4),
 ])
-def test_recompute_mode_counts_stage_calls(mode, calls_per_stage):
+def test_recompute_mode_counts_stage_calls(schedule, execution, mode, calls_per_stage):
     x, y = helpers.regression_data(n=16)
-    strategy = tfpipe.PipelineStrategy(num_microbatches=4, recompute=mode)
+    strategy = tfpipe.PipelineStrategy(num_microbatches=4, recompute=mode, schedule=schedule,
+                                       execution=execution)
     with strategy.scope():
         model = tfpipe.PipelinedModel(helpers.mlp_layers(), input_shape=(None, 8))
         model.compile(optimizer="sgd", loss="mse")
     model.pipeline.trace_calls = [0] * 4
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     # One trace of the training step; the pipeline does not retrace per step.
-    assert model.pipeline.trace_calls == [calls_per_stage] * 4
+    assert model.pipeline.trace_calls == calls_per_stage
 
 
 def _dropout_layers():

@@ -11,12 +11,16 @@ from tfpipe_tests import helpers
 
 TOL = 1e-5
 
-# (schedule, balance of the 4-layer MLP): GPipe and 1F1B put one stage on each
-# of 4 devices; Interleaved(2) puts 2 stages on each of 2 devices.
+# (schedule, balance of the 4-layer MLP, devices): GPipe, 1F1B and ZB-H1 put
+# one stage on each of 4 devices; Interleaved(2) and ZB-V 2 stages on each of 2.
 SCHEDULES = {
     "gpipe": (schedules.GPipe(), [1, 1, 1, 1], None),
     "1f1b": (schedules.OneFOneB(), [1, 1, 1, 1], None),
     "interleaved": (schedules.Interleaved(2), [1, 1, 1, 1], ["/CPU:0", "/CPU:1"]),
+    # Zero-bubble: backward split into I and W; ZB-V runs 2 stages per device
+    # in a V, so the last stage shares device 0 with the first.
+    "zbh1": (schedules.ZeroBubbleH1(), [1, 1, 1, 1], None),
+    "zbv": (schedules.ZeroBubbleV(), [1, 1, 1, 1], ["/CPU:0", "/CPU:1"]),
 }
 RUNS = [("unrolled", "always"), ("unrolled", "except_last"), ("unrolled", "never"),
         ("loop", "always")]
@@ -93,7 +97,7 @@ def _dropout_bn_model():
     ])
 
 
-@pytest.mark.parametrize("name", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "zbv"])
 def test_loop_replays_dropout_masks_and_updates_batchnorm_once(name):
     # "never" keeps the forward's tapes: the reference for what a replay must
     # reproduce (same dropout masks, BatchNorm statistics updated once).
@@ -252,3 +256,25 @@ def test_next_action_waits_for_the_weight_gradients_of_a_backward():
     awaited = [dep for op in graph.get_operations() for dep in op.control_inputs
                if dep.type == "MatMul" and dep.get_attr("transpose_a")]
     assert awaited, "no op waits for a weight-gradient MatMul"
+
+
+@pytest.mark.parametrize("name, held_back", [("zbh1", True), ("1f1b", False)])
+def test_split_backward_holds_weight_gradients_until_w(name, held_back):
+    # Unrolled ZB: I(k, m) builds the stage's whole backward in one
+    # tape.gradient, and the ops only the weight gradients need (dW = x^T dy)
+    # wait for the device's token at W(k, m)'s place. W re-runs nothing.
+    strategy = tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], num_microbatches=2,
+                                       schedule=name, recompute="never")
+    with strategy.scope():
+        model = tfpipe.PipelinedModel([keras.layers.Dense(4), keras.layers.Dense(3)],
+                                      input_shape=(None, 8))
+        model.compile(optimizer="sgd", loss="mse")
+    model.pipeline.trace_calls = [0, 0]
+    graph = tf.function(model.train_step).get_concrete_function(
+        (tf.TensorSpec([4, 8], tf.float32), tf.TensorSpec([4, 3], tf.float32))).graph
+    weight_matmuls = [op for op in graph.get_operations()
+                      if op.type == "MatMul" and op.get_attr("transpose_a")]
+    assert len(weight_matmuls) == 4  # 2 stages x 2 micro-batches
+    released = [op for op in weight_matmuls if op.control_inputs]
+    assert len(released) == (4 if held_back else 0)
+    assert model.pipeline.trace_calls == [2, 2]  # one forward per micro-batch, no replay

@@ -1,0 +1,210 @@
+"""The unrolled backend: every action of the schedule traced, in its order.
+
+The step's state is a Python dict keyed by (what, stage, micro-batch); each
+action is traced once, under its device, in the order `schedules.validate`
+gives. Ordering tokens make each device run its actions in the table's
+order, as one accelerator stream would: an action's inputs wait for the
+device's previous action, whose token exists only once everything that
+action produced does (ordering on the input gradient alone let TF run the
+weight-gradient ops late, keeping every micro-batch's tensors alive).
+
+A forward keeps its tape unless the recompute policy replays it. A split
+backward (I then W) is one `tape.gradient` at I whose weight-only ops are
+held back by a control edge until W's turn on the device
+(`runtime.release`): W costs only the weight-gradient ops, as in the
+zero-bubble paper, not a second backward.
+
+The graph and its trace time grow with M; the loop form does not.
+"""
+
+import tensorflow as tf
+
+from tfpipe import _internal
+from tfpipe import batchnorm
+from tfpipe import gradients as gradients_lib
+from tfpipe import recompute as recompute_lib
+from tfpipe import runtime
+
+
+class UnrolledStore:
+    """The step's state as Python values (see the protocol in `tfpipe.runtime`)."""
+
+    splits_in_graph = True
+
+    def __init__(self, step, pipeline, timeline=None):
+        self.step, self.pipeline, self.batch = step, pipeline, step.batch
+        self.timeline = timeline
+        self.acts, self.kept, self.deferred = {}, {}, {}
+        self.out_grads = {}
+        self.outputs = [None] * step.num_microbatches
+        self.extras = []
+        self.bn_calls = [[None] * step.num_microbatches for _ in range(step.num_stages)]
+        n_terms = len(step.split.terms) if step.split is not None else 0
+        self.numerators = [[] for _ in range(n_terms)]
+        self.divisors = [[] for _ in range(n_terms)]
+        self.seeds_cache = None
+        self.grads = [None] * len(step.variables)
+        self.unique_rows = set()  # variables whose slices are merged row by row
+        # Ordering: each device's token, and the current action's gate.
+        self.last = [None] * len(pipeline.devices)
+        self.start = None
+
+    # -- ordering and timeline ---------------------------------------------
+
+    def begin(self, d, structure, release=()):
+        """`structure`, made to wait for device d's previous action; the
+        action's start stamp is taken once those inputs exist."""
+        pipeline = self.pipeline
+        if pipeline.enforce_order and self.last[d] is not None:
+            with tf.control_dependencies([self.last[d]]):
+                structure = _identity(structure)
+        if self.timeline is not None:
+            with tf.control_dependencies(
+                    runtime.float_leaves(structure) + [t for t in [self.last[d]]
+                                                      if t is not None]):
+                self.start = tf.timestamp()
+            with tf.control_dependencies([self.start]):
+                structure = _identity(structure)
+        gate = self.start if self.timeline is not None else (
+            self.last[d] if pipeline.enforce_order else None)
+        runtime.release(list(release), gate)
+        return structure
+
+    # -- forward -----------------------------------------------------------
+
+    def replays(self, k, m):
+        return recompute_lib.should_recompute(self.pipeline.recompute, m,
+                                              self.step.num_microbatches)
+
+    def stage_input(self, k, m):
+        return self.batch.micro(m)[0] if k == 0 else self.acts.pop((k, m))
+
+    def put_output(self, k, m, out):
+        if k == self.step.num_stages - 1:
+            self.outputs[m] = out
+        else:
+            self.acts[(k + 1, m)] = out
+
+    def keep(self, k, m, record):
+        self.kept[(k, m)] = record
+
+    def put_bn(self, k, m, calls):
+        self.bn_calls[k][m] = calls
+
+    def add_extra(self, d, value):
+        self.extras.append(value)
+
+    def add_loss_parts(self, parts):
+        for j, (s, divisor, _) in enumerate(parts):
+            self.numerators[j].append(s)
+            self.divisors[j].append(divisor)
+
+    def divisor_sums(self):
+        return [runtime.sum_or_none(ds) if ds and ds[0] is not None else None
+                for ds in self.divisors]
+
+    # -- backward ----------------------------------------------------------
+
+    def take_kept(self, k, m):
+        return self.kept.pop((k, m))
+
+    def loss_seeds(self, plan):
+        if self.seeds_cache is None:
+            self.seeds_cache = plan.seeds(self.divisor_sums())
+        return self.seeds_cache
+
+    def output_gradients(self, k, m):
+        return self.out_grads.pop((k, m))
+
+    def put_input_gradients(self, k, m, grads):
+        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        self.out_grads[(k - 1, m)] = grads
+        return grads
+
+    def add_weight_gradient(self, d, k, m, i, g):
+        if isinstance(g, tf.IndexedSlices) and gradients_lib.gathers_unique_rows(g):
+            self.unique_rows.add(i)
+        total = self.pipeline.on_home(self.step.variables[i], gradients_lib.add_gradients,
+                                      self.grads[i], g)
+        self.grads[i] = total
+        return [total.values, total.indices] if isinstance(total, tf.IndexedSlices) else [total]
+
+    def has_deferred(self, k, m):
+        return (k, m) in self.deferred
+
+    def defer_weights(self, k, m, grads, ops):
+        self.deferred[(k, m)] = (grads, ops)
+
+    def take_deferred(self, k, m):
+        return self.deferred.pop((k, m))
+
+    # -- the end of the step -------------------------------------------------
+
+    def gradients(self):
+        return [self.pipeline.on_home(v, gradients_lib.merge_rows, g)
+                if i in self.unique_rows and isinstance(g, tf.IndexedSlices) else g
+                for i, (v, g) in enumerate(zip(self.step.variables, self.grads))]
+
+    def numerator_sums(self):
+        return [runtime.sum_or_none(ns) if ns else tf.zeros(()) for ns in self.numerators]
+
+    def extra_terms(self):
+        return [runtime.sum_or_none(self.extras)]
+
+    def bn_sites(self):
+        return [batchnorm.stack_sites(calls) if all(c is not None for c in calls) else []
+                for calls in self.bn_calls]
+
+    def merged_outputs(self):
+        return self.batch.split.merge(self.outputs)
+
+
+class UnrolledBackend:
+    """Walks the schedule's actions in run order, each traced once."""
+
+    def train(self, pipeline, batch, split, scale_loss, timeline):
+        order = pipeline.run_order(batch.num_microbatches)
+        step = runtime.Step(pipeline, batch, order, split, scale_loss, training=True)
+        store = UnrolledStore(step, pipeline, timeline)
+        self._walk(pipeline, step, store, order, timeline)
+        return step.finish(store)
+
+    def forward(self, pipeline, batch, training):
+        order = [(d, a) for d, a in pipeline.run_order(batch.num_microbatches)
+                 if a.kind == "F"]
+        step = runtime.Step(pipeline, batch, order, None, training=training)
+        store = UnrolledStore(step, pipeline)
+        self._walk(pipeline, step, store, order, None)
+        return step.finish_forward(store)
+
+    @staticmethod
+    def _walk(pipeline, step, store, order, timeline):
+        graph = tf.compat.v1.get_default_graph()
+        last_op = [None] * len(pipeline.devices)  # each device's last op (serialize_ops)
+        for d, action in order:
+            first_op = len(graph.get_operations())
+            store.start = None
+            with tf.device(pipeline.devices[d]):
+                produced = step.run(store, d, action)
+                end = None
+                if timeline is not None:
+                    with tf.control_dependencies(produced.tensors):
+                        end = tf.timestamp()
+                    timeline.append(dict(device=d, kind=action.kind, stage=action.stage,
+                                         microbatch=action.microbatch, start=store.start,
+                                         end=end))
+                    store.last[d] = end
+                elif produced.tensors:
+                    with tf.control_dependencies(produced.tensors):
+                        store.last[d] = tf.identity(produced.tensors[0])
+            if pipeline.serialize_ops:
+                excluded = {id(op) for op in produced.exclude_ops}
+                ops = produced.include_ops + [op for op in graph.get_operations()[first_op:]
+                                              if id(op) not in excluded]
+                last_op[d] = _internal.chain_ops(ops, last_op[d])
+
+
+def _identity(structure):
+    """tf.identity of every dense tensor of a nest (others pass through)."""
+    return tf.nest.map_structure(
+        lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, structure)
