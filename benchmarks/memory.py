@@ -103,10 +103,13 @@ def params(layers, width):
 
 
 def measure_memory(layers, width, batch, num_microbatches=1, recompute="never",
-                   num_devices=1, execution="unrolled", step=True, steps=2, seed=0):
+                   num_devices=1, execution="unrolled", step=True, steps=2, seed=0,
+                   segment_layers=0):
     """Builds the model (and steps it `steps` times if `step`); MiB figures.
 
     Runs in a child with `num_devices` logical CPUs (see `run_memory`).
+    `segment_layers` > 0: each device's stage is re-materialised in segments
+    of that many layers (`tfpipe.schedules.Segmented`).
     """
     import keras  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -115,11 +118,18 @@ def measure_memory(layers, width, batch, num_microbatches=1, recompute="never",
     tf.constant(0.0).numpy()  # the runtime is up before anything is counted
     if layers % num_devices:
         raise ValueError(f"{layers} layers do not cut into {num_devices} equal stages.")
+    per_device = layers // num_devices
+    segments = max(1, -(-per_device // segment_layers)) if segment_layers else 1
+    schedule = tfpipe.schedules.Segmented("gpipe", segments) if segments > 1 else "gpipe"
     strategy = tfpipe.PipelineStrategy(
         devices=[f"/CPU:{i}" for i in range(num_devices)], num_microbatches=num_microbatches,
-        recompute=recompute, execution=execution)
+        recompute=recompute, execution=execution, schedule=schedule)
     with strategy.scope():
-        stages = [common.mlp_layers(layers // num_devices, width) for _ in range(num_devices)]
+        stages = []
+        for _ in range(num_devices):
+            sizes = [segment_layers] * (segments - 1)
+            sizes.append(per_device - sum(sizes))
+            stages += [common.mlp_layers(n, width) for n in sizes]
         stages[-1].append(keras.layers.Dense(OUT_WIDTH))
         model = tfpipe.PipelinedModel([keras.Sequential(s) for s in stages],
                                       input_shape=(None, IN_WIDTH))
@@ -130,6 +140,7 @@ def measure_memory(layers, width, batch, num_microbatches=1, recompute="never",
         "config": {"layers": layers, "width": width, "batch": batch,
                    "num_microbatches": num_microbatches, "recompute": recompute,
                    "num_devices": num_devices, "execution": execution, "step": step,
+                   "segment_layers": segment_layers,
                    "steps": steps, "optimizer": "Adam(1e-4)",
                    "model": f"{IN_WIDTH} -> {layers} x Dense({width}, relu) -> "
                             f"Dense({OUT_WIDTH})"},
@@ -288,7 +299,7 @@ def plot_memory(grid, path, title=""):
 
 
 def largest_model(recompute, budget_mib, runtime_mib, width, batch, num_microbatches,
-                  start=(4, 8), max_layers=512, steps=1, log=print):
+                  start=(4, 8), max_layers=512, steps=1, log=print, segment_layers=0):
     """The most layers whose child peak stays <= runtime_mib + budget_mib.
 
     Probes the `start` layer counts, then guesses from a straight line through
@@ -305,7 +316,7 @@ def largest_model(recompute, budget_mib, runtime_mib, width, batch, num_microbat
     def probe(layers):
         result = run_memory(layers=layers, width=width, batch=batch,
                             num_microbatches=num_microbatches, recompute=recompute,
-                            steps=steps, rss_limit_mib=cap)
+                            steps=steps, rss_limit_mib=cap, segment_layers=segment_layers)
         fits = "error" not in result and result["peak_mib"] <= cap
         if "error" not in result:
             points[layers] = result["peak_mib"]
@@ -313,7 +324,8 @@ def largest_model(recompute, budget_mib, runtime_mib, width, batch, num_microbat
                        "error": (str(result["error"]).strip().splitlines()[-1]
                                  if "error" in result else None),
                        "child_wall_s": result.get("child_wall_s")})
-        log(f"  recompute={recompute:<6} layers={layers:<4} peak "
+        log(f"  recompute={recompute:<6} segments of {segment_layers or 'all'} "
+            f"layers={layers:<4} peak "
             f"{common.fmt(result.get('peak_mib'), 1)} MiB (cap {cap:.0f}) -> "
             f"{'fits' if fits else 'does not fit'}"
             + (f" ({probes[-1]['error']})" if probes[-1]["error"] else ""))
@@ -338,45 +350,52 @@ def largest_model(recompute, budget_mib, runtime_mib, width, batch, num_microbat
             lo = guess
         else:
             hi = guess
-    return {"recompute": recompute, "layers": lo, "params": params(lo, width),
+    return {"recompute": recompute, "segment_layers": segment_layers,
+            "layers": lo, "params": params(lo, width),
             "cap_mib": cap, "budget_mib": budget_mib, "probes": probes,
             "peak_mib_at_layers": points.get(lo)}
 
 
-def capacity(budget_mib, width, batch, num_microbatches, steps=1, log=print, **kwargs):
-    """`largest_model` for recompute "never" and "always"; the parameter ratio."""
+def capacity(budget_mib, width, batch, num_microbatches, steps=1, log=print,
+             segment_layers=(), **kwargs):
+    """`largest_model` for recompute "never", "always" and "always" in
+    segments of each of `segment_layers` layers; parameter ratios to never."""
     runtime = common.run_child("benchmarks.memory:runtime_only", {}, intra_op=1, inter_op=1,
                                env=CHILD_ENV)
     if "error" in runtime:
         return {"error": runtime["error"], "runtime": runtime}
-    found = {r: largest_model(r, budget_mib, runtime["peak_mib"], width, batch,
-                              num_microbatches, steps=steps, log=log, **kwargs)
-             for r in ("never", "always")}
+    modes = [("never", "never", 0), ("always", "always", 0)] + [
+        (f"always/segments of {n}", "always", n) for n in segment_layers]
+    found = {name: largest_model(r, budget_mib, runtime["peak_mib"], width, batch,
+                                 num_microbatches, steps=steps, log=log, segment_layers=n,
+                                 **kwargs)
+             for name, r, n in modes}
     never, always = found["never"]["params"], found["always"]["params"]
+    ratios = {name: found[name]["params"] / never if never else None for name, _, _ in modes}
     return {"budget_mib": budget_mib, "runtime_mib": runtime["peak_mib"],
             "model": {"width": width, "batch": batch, "num_microbatches": num_microbatches,
                       "num_devices": 1, "steps": steps,
                       "description": f"{IN_WIDTH} -> L x Dense({width}, relu) -> "
                                      f"Dense({OUT_WIDTH}), Adam, batch {batch}, "
                                      f"M={num_microbatches}, K=1"},
-            "never": found["never"], "always": found["always"],
-            "ratio": always / never if never else None}
+            "never": found["never"], "always": found["always"], "modes": found,
+            "ratios": ratios, "ratio": always / never if never else None}
 
 
 def capacity_table(result):
     if "error" in result:
         return f"capacity search failed: {result['error']}"
     rows = []
-    for mode in ("never", "always"):
-        found = result[mode]
+    modes = result.get("modes") or {m: result[m] for m in ("never", "always")}
+    for mode, found in modes.items():
         rows.append([mode, str(found["layers"]), f"{found['params'] / 1e6:.3f}M",
                      common.fmt(found["peak_mib_at_layers"], 1), f"{found['cap_mib']:.0f}",
-                     str(len(found["probes"]))])
-    rows.append(["always / never", common.fmt(
-        result["always"]["layers"] / max(1, result["never"]["layers"])),
-        common.fmt(result["ratio"]), "", "", ""])
+                     str(len(found["probes"])),
+                     common.fmt((result.get("ratios") or {}).get(mode, result["ratio"]
+                                                                 if mode == "always" else 1.0))])
     return common.markdown_table(["recompute", "layers", "parameters", "peak MiB",
-                                  "cap MiB (runtime + budget)", "probes"], rows)
+                                  "cap MiB (runtime + budget)", "probes",
+                                  "parameters / never"], rows)
 
 
 # -- command line ------------------------------------------------------------------
@@ -397,7 +416,8 @@ def main(argv):
     cap = None
     if f.budget_mib:
         cap = capacity(f.budget_mib, f.capacity_width, f.capacity_batch,
-                       f.capacity_microbatches)
+                       f.capacity_microbatches,
+                       segment_layers=common.parse_ints(f.segment_layers))
         print(capacity_table(cap))
     out = common.write_json(f.out, {"machine": info, "memory": grid, "capacity": cap,
                                     "wall_s": time.perf_counter() - start})
@@ -420,6 +440,9 @@ def _define_flags():
     flags.DEFINE_integer("capacity_batch", CAPACITY_MODEL["batch"], "Capacity search batch.")
     flags.DEFINE_integer("capacity_microbatches", CAPACITY_MODEL["num_microbatches"],
                          "Capacity search M (both modes).")
+    flags.DEFINE_string("segment_layers", "4,8",
+                        "Capacity search: also recompute in segments of these many layers "
+                        "(tfpipe.schedules.Segmented; empty: skip).")
     flags.DEFINE_string("out", str(common.RESULTS_DIR / "memory.json"), "JSON output.")
 
 

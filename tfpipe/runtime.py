@@ -208,7 +208,7 @@ class Step:
         wanted = (sources if want_inputs else []) + (
             [self.variables[i] for i in mine] if want_weights else [])
         graph = tf.compat.v1.get_default_graph()
-        first_op = len(graph.get_operations())
+        first_op = len(graph.get_operations()) if split_in_graph else None
         if targets and wanted:
             grads = tape.gradient(targets, wanted, output_gradients=seeds,
                                   unconnected_gradients=tf.UnconnectedGradients.NONE)

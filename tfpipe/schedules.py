@@ -450,6 +450,60 @@ def _list_schedule(num_microbatches, num_devices, num_stages, device_of, limit):
     return rows
 
 
+class Segmented(Schedule):
+    """Another schedule with every stage re-materialised in `segments` pieces.
+
+    Recompute granularity: each of the base schedule's stages is cut into
+    `segments` consecutive sub-stages on the same device, and each of the
+    base's actions becomes the same action on all of them, back to back:
+    forwards in stage order, backward halves in reverse. With
+    recompute="always" a sub-stage keeps only its input per micro-batch and
+    replays alone in its backward, so a device holds its segment boundaries
+    plus one segment's activations (checkpointing every few layers) instead
+    of a whole stage's. The stage count is the base's times `segments`
+    (`PipelinedModel.from_model` cuts that many; hand-made stages must be
+    that many); the devices, bubble and order are the base's.
+
+    >>> print(Segmented(OneFOneB(), 2).format(2, 2))
+    device 0: F0.0 F1.0 F0.1 F1.1 B1.0 B0.0 B1.1 B0.1
+    device 1: F2.0 F3.0 B3.0 B2.0 F2.1 F3.1 B3.1 B2.1
+    """
+
+    def __init__(self, schedule, segments=2):
+        if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+            raise ValueError(
+                f"Segmented(segments=...) must be a positive integer, got {segments!r}.")
+        base = get(schedule)
+        if isinstance(base, Segmented):
+            base, segments = base.base, base.segments * segments
+        self.base, self.segments = base, segments
+        self.name = f"{base.name}/segments={segments}"
+        self.virtual_stages = base.virtual_stages * segments
+
+    def get_config(self):
+        return {"schedule": to_config(self.base), "segments": self.segments}
+
+    def num_stages(self, num_devices):
+        return self.base.num_stages(num_devices) * self.segments
+
+    def stage_device(self, stage, num_devices):
+        return self.base.stage_device(stage // self.segments, num_devices)
+
+    def check(self, num_microbatches, num_devices):
+        self.base.check(num_microbatches, num_devices)
+
+    def actions(self, num_microbatches, num_devices):
+        n = self.segments
+        table = []
+        for row in self.base.actions(num_microbatches, num_devices):
+            out = []
+            for a in (Action.parse(a) for a in row):
+                pieces = range(n) if a.kind == "F" else reversed(range(n))
+                out += [Action(a.kind, a.stage * n + j, a.microbatch) for j in pieces]
+            table.append(out)
+        return table
+
+
 class Table(Schedule):
     """A user-written schedule: a literal table of actions per device.
 
@@ -509,8 +563,9 @@ class Table(Schedule):
 
 def get(schedule):
     """A schedule from an instance or a name: "gpipe", "1f1b", "interleaved"
-    (2 stages per device), "interleaved:v" (v stages per device), "zbh1" or
-    "zbv".
+    (2 stages per device), "interleaved:v" (v stages per device), "zbh1",
+    "zbv", or "<name>/segments=n" (`Segmented`: each stage recomputed in n
+    pieces).
 
     >>> get("interleaved:4")
     Interleaved(virtual_stages=4)
@@ -524,9 +579,12 @@ def get(schedule):
     match = re.fullmatch(r"interleaved:(\d+)", str(schedule).lower())
     if match:
         return Interleaved(int(match.group(1)))
+    match = re.fullmatch(r"(.+)/segments=(\d+)", str(schedule).lower())
+    if match:
+        return Segmented(get(match.group(1)), int(match.group(2)))
     raise ValueError(
         f"Unknown schedule {schedule!r}. Use one of {list(SCHEDULE_NAMES)}, "
-        f"'interleaved:<v>', or a "
+        f"'interleaved:<v>', '<schedule>/segments=<n>', or a "
         f"tfpipe.schedules.Schedule instance (GPipe(), OneFOneB(), "
         f"Interleaved(virtual_stages=v), ZeroBubbleH1(), ZeroBubbleV(), Table([...]))."
     )
@@ -543,10 +601,13 @@ def from_config(config):
     if not isinstance(config, dict):
         return get(config)
     classes = {cls.__name__: cls for cls in (GPipe, OneFOneB, Interleaved, ZeroBubbleH1,
-                                             ZeroBubbleV, Table)}
+                                             ZeroBubbleV, Table, Segmented)}
     if config.get("class") not in classes:
         raise ValueError(f"Unknown schedule class in a saved config: {config!r}.")
-    return classes[config["class"]](**config.get("config", {}))
+    arguments = dict(config.get("config", {}))
+    if config["class"] == "Segmented":
+        arguments["schedule"] = from_config(arguments["schedule"])
+    return classes[config["class"]](**arguments)
 
 
 # -- validation and simulation -------------------------------------------------

@@ -182,7 +182,8 @@ class UnrolledBackend:
         graph = tf.compat.v1.get_default_graph()
         last_op = [None] * len(pipeline.devices)  # each device's last op (serialize_ops)
         for d, action in order:
-            first_op = len(graph.get_operations())
+            # (Listing the graph's ops costs O(graph); only for serialize_ops.)
+            first_op = len(graph.get_operations()) if pipeline.serialize_ops else None
             store.start = None
             with tf.device(pipeline.devices[d]):
                 produced = step.run(store, d, action)

@@ -21,6 +21,9 @@ SCHEDULES = {
     # in a V, so the last stage shares device 0 with the first.
     "zbh1": (schedules.ZeroBubbleH1(), [1, 1, 1, 1], None),
     "zbv": (schedules.ZeroBubbleV(), [1, 1, 1, 1], ["/CPU:0", "/CPU:1"]),
+    # Recompute granularity: each of 1F1B's 2 stages re-materialised in 2 segments.
+    "1f1b_segmented": (schedules.Segmented(schedules.OneFOneB(), 2), [1, 1, 1, 1],
+                       ["/CPU:0", "/CPU:1"]),
 }
 RUNS = [("unrolled", "always"), ("unrolled", "except_last"), ("unrolled", "never"),
         ("loop", "always")]

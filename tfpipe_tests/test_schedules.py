@@ -394,3 +394,38 @@ def test_lock_step_ticks_handle_split_backward():
     assert schedules.tick_makespan(schedules.clock_ticks(schedules.ZeroBubbleV(), 4, 2), 1.0, 2.0,
                                    virtual_stages=2) == pytest.approx(
         schedules.simulate(schedules.ZeroBubbleV(), 4, 2).makespan)
+
+
+@pytest.mark.parametrize("base", [schedules.GPipe(), schedules.OneFOneB(),
+                                  schedules.ZeroBubbleH1(), schedules.ZeroBubbleV()])
+@pytest.mark.parametrize("segments", [2, 3])
+def test_segmented_keeps_the_base_schedule_and_splits_each_stage(base, segments):
+    # Recompute granularity: the same devices, order and bubble; each stage
+    # becomes `segments` sub-stages on its device, run back to back.
+    seg = schedules.Segmented(base, segments)
+    m, d = 4, 2
+    k = base.num_stages(d)
+    assert seg.num_stages(d) == k * segments
+    assert [seg.stage_device(s, d) for s in range(k * segments)] == [
+        base.stage_device(s // segments, d) for s in range(k * segments)]
+    # 1/segments of the cost per sub-stage: the simulated bubble is the base's.
+    assert schedules.simulate(seg, m, d).bubble_fraction == pytest.approx(
+        schedules.simulate(base, m, d).bubble_fraction)
+    for row, base_row in zip(seg.actions(m, d), base.actions(m, d)):
+        assert len(row) == segments * len(base_row)
+        for i, a in enumerate(base_row):
+            pieces = row[i * segments:(i + 1) * segments]
+            assert {(p.kind, p.microbatch, p.stage // segments) for p in pieces} == {
+                (a.kind, a.microbatch, a.stage)}
+            order = [p.stage for p in pieces]
+            assert order == (sorted(order) if a.kind == "F" else sorted(order, reverse=True))
+    assert schedules.from_config(schedules.to_config(seg)) == seg
+    assert schedules.get(f"{base.name}/segments={segments}") == seg
+
+
+def test_segmented_rejects_a_bad_count_and_nests():
+    with pytest.raises(ValueError, match=r"Segmented\(segments=...\) must be a positive "
+                                         r"integer, got 0"):
+        schedules.Segmented("gpipe", 0)
+    assert schedules.Segmented(schedules.Segmented("1f1b", 2), 3) == schedules.Segmented(
+        "1f1b", 6)

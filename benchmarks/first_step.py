@@ -1,0 +1,123 @@
+"""Time to the first training step, and trace time against M: `python -m benchmarks.first_step`.
+
+A pipelined step is traced (Python builds the graph) and optimised (grappler)
+before its first run; the unrolled form traces every action, so that time
+grows with M. This measures, for `keras.applications.MobileNetV2` (32x32
+inputs, 10 classes, `weights=None`) cut into `--stages` stages by params:
+
+  first_fit_s   wall time of `fit` on one batch (trace, optimisation, one
+                step): what a user waits for before the first step
+  step_ms       a later step's time (the same fit call's second step)
+
+for plain Keras (one device) and for tfpipe with each execution and M in
+`--microbatches`, each in a fresh child process (logical CPUs, default
+threads), and reports first_fit_s / plain's. The ratio, not the absolute
+time, is the result: both share the machine's speed.
+
+    python -m benchmarks.first_step                              # ~6 min on 2 cores
+    python -m benchmarks.first_step --microbatches=1,8 --executions=loop
+"""
+
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
+
+from benchmarks import common
+
+IMAGE, CLASSES = 32, 10
+
+
+def measure_first_fit(num_microbatches, execution, stages, batch, pipelined=True, seed=0):
+    """Builds MobileNetV2 (pipelined or plain); times the first fit; in a child."""
+    import keras  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tfpipe  # pylint: disable=import-outside-toplevel
+    keras.utils.set_random_seed(seed)
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(2 * batch, IMAGE, IMAGE, 3)).astype("float32")
+    y = rng.integers(0, CLASSES, size=(2 * batch,))
+    source = keras.applications.MobileNetV2(weights=None, input_shape=(IMAGE, IMAGE, 3),
+                                            classes=CLASSES)
+    compile_kwargs = dict(optimizer="adam", loss="sparse_categorical_crossentropy")
+    if pipelined:
+        strategy = tfpipe.PipelineStrategy(
+            devices=[f"/CPU:{i}" for i in range(stages)], num_microbatches=num_microbatches,
+            execution=execution)
+        with strategy.scope():
+            model = tfpipe.PipelinedModel.from_model(source, balance="params")
+            model.compile(**compile_kwargs)
+    else:
+        model = source
+        model.compile(jit_compile=False, **compile_kwargs)
+    start = time.perf_counter()
+    model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0, shuffle=False)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+    steady = (time.perf_counter() - start) / 2
+    return {"first_fit_s": first, "step_ms": 1000.0 * steady,
+            "peak_rss_mib": common.peak_rss_mib()}
+
+
+def grid(microbatches, executions, stages=4, batch=32, log=print, timeout=1800):
+    """The plain model, then every (execution, M); a list of rows."""
+    rows = []
+    configs = [("plain", 1)] + [(e, m) for e in executions for m in microbatches]
+    for execution, m in configs:
+        result = common.run_child(
+            "benchmarks.first_step:measure_first_fit",
+            dict(num_microbatches=m, execution=execution if execution != "plain" else None,
+                 stages=stages, batch=batch, pipelined=execution != "plain"),
+            intra_op=0, inter_op=0, devices=stages, timeout=timeout)
+        row = {"execution": execution, "num_microbatches": m, "result": result}
+        row.update({k: result.get(k) for k in ("first_fit_s", "step_ms")})
+        rows.append(row)
+        log(f"{execution:<9} M={m:<3} first fit {common.fmt(row['first_fit_s'], 1)} s  "
+            f"step {common.fmt(row['step_ms'], 0)} ms"
+            + (f"  ERROR {str(result['error']).strip().splitlines()[-1]}"
+               if "error" in result else ""))
+    plain = rows[0]["first_fit_s"]
+    for row in rows:
+        row["first_fit_over_plain"] = (row["first_fit_s"] / plain
+                                       if plain and row["first_fit_s"] else None)
+    return rows
+
+
+def table(rows):
+    return common.markdown_table(
+        ["execution", "M", "first fit (s)", "first fit / plain", "step (ms)"],
+        [[r["execution"], str(r["num_microbatches"]), common.fmt(r["first_fit_s"], 1),
+          common.fmt(r["first_fit_over_plain"]), common.fmt(r["step_ms"], 0)] for r in rows])
+
+
+def main(argv):
+    from absl import app  # pylint: disable=import-outside-toplevel
+    from absl import flags  # pylint: disable=import-outside-toplevel
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    f = flags.FLAGS
+    start = time.perf_counter()
+    info = common.machine()
+    print(f"machine: {common.machine_label(info)}; load average {info['load_average_at_start']}")
+    rows = grid(common.parse_ints(f.microbatches), [e for e in f.executions.split(",") if e],
+                stages=f.stages, batch=f.batch)
+    print(table(rows))
+    out = common.write_json(f.out, {"machine": info, "rows": rows,
+                                    "wall_s": time.perf_counter() - start})
+    print(f"wrote {out} in {time.perf_counter() - start:.0f} s")
+
+
+def _define_flags():
+    from absl import flags  # pylint: disable=import-outside-toplevel
+    flags.DEFINE_string("microbatches", "1,8,32", "Micro-batch counts M.")
+    flags.DEFINE_string("executions", "unrolled,loop", "Executions to time.")
+    flags.DEFINE_integer("stages", 4, "Stages (logical CPUs).")
+    flags.DEFINE_integer("batch", 32, "Rows per step (a multiple of every M).")
+    flags.DEFINE_string("out", str(common.RESULTS_DIR / "first_step.json"), "JSON output.")
+
+
+if __name__ == "__main__":
+    from absl import app as _app
+    _define_flags()
+    _app.run(main)
