@@ -153,6 +153,8 @@ def _cap(data, max_examples):
 
 BUILTIN = {"digits": load_digits, "digits_masks": load_digits_masks,
            "pydoc_topics": load_pydoc_topics}
+# The `Data.kind` of each built-in data set, known without loading it (flag checks).
+BUILTIN_KINDS = {"digits": "image", "digits_masks": "segmentation", "pydoc_topics": "text"}
 
 
 # -- TensorFlow Datasets --------------------------------------------------------

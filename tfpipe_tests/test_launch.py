@@ -2,7 +2,9 @@
 
 Covers the default digits MLP, the Transformer on Python's bundled help texts,
 a TFDS data set built here with TFDS's own builder (no network), checkpoints
-with an interrupted and resumed run, and the flags.
+with an interrupted and resumed run, and the flags. Faults (damaged
+checkpoints, kill -9, divergence, a busy --model_dir, bad flags) are in
+test_trainer_faults.py.
 """
 
 import json
@@ -130,7 +132,7 @@ def test_unknown_dataset_names_valid_choices(tmp_path):
 def test_model_and_dataset_must_match(tmp_path):
     with pytest.raises(ValueError, match="transformer.*text data.*digits"):
         train_lib.train(_config(tmp_path, model="transformer", dataset="digits"))
-    with pytest.raises(ValueError, match="valid choices: mlp, resnet, transformer, unet"):
+    with pytest.raises(ValueError, match="valid choices: " + ", ".join(train_lib.MODEL_NAMES)):
         train_lib.train(_config(tmp_path, model="vgg"))
     with pytest.raises(ValueError, match="unet.*segmentation data.*digits"):
         train_lib.train(_config(tmp_path, model="unet", dataset="digits"))
@@ -234,16 +236,14 @@ def test_interrupted_run_resumes_exactly(tmp_path):
     resumed = train_lib.train(_config(tmp_path / "cut", resume=True, **settings))
 
     assert resumed["start_step"] == 3 and resumed["steps"] == full["steps"] == 8
-    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(_weights(full), _weights(resumed)))
-    assert diff < 1e-6
+    for a, b in zip(_weights(full), _weights(resumed), strict=True):  # bit for bit
+        np.testing.assert_array_equal(a, b)
     # The loss curve continues as if never stopped: same steps, same losses.
     curve = lambda d: json.loads((d / "history.json").read_text())["steps"]  # noqa: E731
     full_curve, resumed_curve = curve(tmp_path / "full"), curve(tmp_path / "cut")
     assert [s["step"] for s in resumed_curve] == list(range(1, 9))
-    np.testing.assert_allclose([s["loss"] for s in resumed_curve],
-                               [s["loss"] for s in full_curve], rtol=1e-5)
-    np.testing.assert_allclose(resumed["history"]["val_loss"], full["history"]["val_loss"],
-                               rtol=1e-6)
+    assert resumed_curve == full_curve
+    assert resumed["history"] == full["history"]
     # Restored after compile: variables and Adam slots still on their stage devices.
     model = resumed["model"]
     slots = model.optimizer.variables

@@ -1,0 +1,278 @@
+"""The settings of one `launch.train` run, and every check on them.
+
+Nothing here imports TensorFlow: `launch.train` registers these checks as
+absl flag validators, so a bad flag is one line and exit code 1 within a
+fraction of a second, before TensorFlow starts (which takes 5-8 s). The same
+checks run again when `train(TrainConfig(...))` is called directly, then as
+a `RunError`.
+
+Exit codes of `python -m launch.train` (the `exit_code` of each error class):
+
+- 1: bad input: a flag (absl's parser), a setting, a data set, or a
+  `--resume` with nothing usable to resume from (`RunError`);
+- 2: `--model_dir` is in use by another run (`ModelDirBusy`);
+- 3: training diverged: a non-finite loss or non-finite weights (`Diverged`).
+"""
+
+import dataclasses
+import math
+import os
+import re
+
+from launch import data as data_lib
+
+
+class RunError(ValueError):
+    """A run that cannot start or go on, with a message that says why and what to do."""
+
+    exit_code = 1
+
+
+class ModelDirBusy(RunError):
+    """Another process holds the lock on --model_dir."""
+
+    exit_code = 2
+
+
+class Diverged(RunError):
+    """The loss (or a weight) became non-finite; nothing non-finite was saved."""
+
+    exit_code = 3
+
+    def __init__(self, message, step):
+        super().__init__(message)
+        self.step = step
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything one training run needs; the flags of `launch.train` map onto it."""
+
+    model: str = "mlp"
+    depth: int = 0  # hidden layers / residual blocks / Transformer blocks; 0: 4 (>= stages)
+    dataset: str = "auto"  # auto: the model's default data set (MODEL_DATA[model])
+    data_dir: str | None = None  # TFDS data directory, for dataset="tfds:NAME"
+    max_examples: int = 0  # if > 0, use at most this many examples of each split
+    stages: int = 4
+    microbatches: int = 4
+    schedule: str = "gpipe"
+    recompute: str = "auto"  # auto: tfpipe's default for the execution
+    execution: str = "unrolled"
+    timeline: bool = True  # record one step's pipeline timeline at the end
+    batch_size: int = 64
+    epochs: int = 3
+    steps_per_epoch: int = 0  # 0: one pass over the training data
+    logical_cpus: int = 4
+    model_dir: str = "/tmp/tfpipe_run"
+    checkpoint_every: int = 100  # steps; 0: only at the end
+    resume: bool = False
+    learning_rate: float = 1e-3
+    seed: int = 0
+    verbose: int | None = None  # None: 1 (progress bar) on a tty, else 2 (a line per epoch)
+
+
+# model name -> (the kind of data it takes, its default data set)
+MODEL_DATA = {
+    "mlp": ("image", "digits"),
+    "resnet": ("image", "digits"),
+    "transformer": ("text", "pydoc_topics"),
+    "unet": ("segmentation", "digits_masks"),
+}
+RECOMPUTE_MODES = ("auto", "always", "except_last", "never")  # auto: tfpipe's default
+EXECUTIONS = ("unrolled", "loop")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved:V")
+_SCHEDULE = re.compile(r"(gpipe|1f1b|interleaved)(?::([0-9]+))?")
+KEEP_CHECKPOINTS = 3  # the newest this many committed checkpoints are kept
+MAX_SEED = 2**32 - 1  # numpy's legacy seeding (keras.utils.set_random_seed) takes < 2**32
+
+
+def virtual_stages(schedule):
+    """Stages per device of a valid schedule name: v for interleaved[:v], else 1."""
+    name, v = _SCHEDULE.fullmatch(schedule.lower()).groups()
+    if name != "interleaved":
+        return 1
+    return int(v) if v else 2
+
+
+def num_devices(config):
+    """Devices the pipeline needs: one per stage, or stages / v when interleaved."""
+    return -(-config.stages // virtual_stages(config.schedule))
+
+
+# -- one setting at a time: value -> None (fine) or what is wrong -----------------
+
+
+def _int_at_least(low, what):
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            bound = "a positive integer" if low == 1 else f"an integer >= {low}"
+            return f"must be {bound} ({what}), got {value!r}"
+        return None
+    return check
+
+
+def _check_model(value):
+    if value not in MODEL_DATA:
+        return f"unknown model {value!r}; valid choices: {', '.join(sorted(MODEL_DATA))}"
+    return None
+
+
+def _check_dataset(value):
+    if not isinstance(value, str):
+        return f"must be a string, got {value!r}"
+    if value.startswith(data_lib.TFDS_PREFIX):
+        if not value[len(data_lib.TFDS_PREFIX):]:
+            return "'tfds:' needs a TFDS name, e.g. tfds:mnist"
+        return None
+    if value != "auto" and value not in data_lib.BUILTIN:
+        return (f"unknown dataset {value!r}; valid choices: auto, "
+                f"{', '.join(sorted(data_lib.BUILTIN))}, or tfds:NAME (a TensorFlow "
+                f"Datasets data set prepared under --data_dir)")
+    return None
+
+
+def _check_schedule(value):
+    match = isinstance(value, str) and _SCHEDULE.fullmatch(value.lower())
+    if not match:
+        return (f"unknown schedule {value!r}; valid choices: gpipe, 1f1b, interleaved "
+                f"(2 stages per device) or interleaved:V (V stages per device, V >= 1)")
+    if match.group(2) is not None and int(match.group(2)) < 1:
+        return f"interleaved:V needs V >= 1 stages per device, got {value!r}"
+    return None
+
+
+def _check_choice(choices):
+    def check(value):
+        if value not in choices:
+            return f"unknown value {value!r}; valid choices: {', '.join(choices)}"
+        return None
+    return check
+
+
+def _check_learning_rate(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > 0):
+        return f"must be a finite number > 0, got {value!r}"
+    return None
+
+
+def _check_seed(value):
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        return f"must be an integer from 0 to 2**32 - 1, got {value!r}"
+    return None
+
+
+def _check_model_dir(value):
+    if not isinstance(value, str) or not value:
+        return "must name a directory"
+    if os.path.exists(value) and not os.path.isdir(value):
+        return f"{value} exists and is not a directory"
+    return None
+
+
+def _check_verbose(value):
+    if value not in (None, 0, 1, 2):
+        return f"must be None, 0, 1 or 2, got {value!r}"
+    return None
+
+
+FIELD_CHECKS = {
+    "model": _check_model,
+    "depth": _int_at_least(0, "0: 4"),
+    "dataset": _check_dataset,
+    "max_examples": _int_at_least(0, "0: all"),
+    "stages": _int_at_least(1, "pipeline stages"),
+    "microbatches": _int_at_least(1, "micro-batches per training batch"),
+    "schedule": _check_schedule,
+    "recompute": _check_choice(RECOMPUTE_MODES),
+    "execution": _check_choice(EXECUTIONS),
+    "batch_size": _int_at_least(1, "rows per training step"),
+    "epochs": _int_at_least(1, "training epochs"),
+    "steps_per_epoch": _int_at_least(0, "0: one pass over the training data"),
+    "logical_cpus": _int_at_least(1, "logical CPU devices"),
+    "model_dir": _check_model_dir,
+    "checkpoint_every": _int_at_least(0, "steps; 0: only at the end"),
+    "learning_rate": _check_learning_rate,
+    "seed": _check_seed,
+    "verbose": _check_verbose,
+}
+
+
+# -- settings that must agree: dict of those settings -> None or what is wrong ----
+
+
+def _microbatches_fit_the_batch(s):
+    m, b = s["microbatches"], s["batch_size"]
+    if m > b:
+        return (f"--microbatches={m} is more than the training batch (--batch_size={b}): "
+                f"{m - b} of the {m} micro-batches of every training step would be empty. "
+                f"Use --microbatches <= {b}, or --batch_size >= {m}.")
+    return None
+
+
+def _model_takes_the_dataset(s):
+    kind, _ = MODEL_DATA[s["model"]]
+    dataset = s["dataset"]
+    data_kind = data_lib.BUILTIN_KINDS.get(dataset)
+    if data_kind is not None and data_kind != kind:
+        models = sorted(n for n, (k, _) in MODEL_DATA.items() if k == data_kind)
+        return (f"--model={s['model']} trains on {kind} data, but --dataset={dataset} is "
+                f"{data_kind} data (models for it: {', '.join(models)}).")
+    return None
+
+
+def _stages_fit_the_schedule(s):
+    v = virtual_stages(s["schedule"])
+    if s["stages"] % v:
+        return (f"--schedule={s['schedule']} puts {v} stages on each device, so --stages "
+                f"must be a multiple of {v}; got --stages={s['stages']}. Use "
+                f"--stages={v * -(-s['stages'] // v)}.")
+    devices = s["stages"] // v
+    if v > 1 and s["microbatches"] % devices:
+        good = devices * -(-s["microbatches"] // devices)
+        return (f"--schedule={s['schedule']} needs --microbatches to be a multiple of its "
+                f"{devices} devices (--stages={s['stages']} / {v}); got "
+                f"--microbatches={s['microbatches']}. Use --microbatches={good}, or "
+                f"--schedule=1f1b.")
+    return None
+
+
+def _loop_recomputes(s):
+    if s["execution"] == "loop" and s["recompute"] not in ("auto", "always"):
+        return (f"--execution=loop keeps only the stage inputs, so it needs "
+                f"--recompute=always (or auto); got --recompute={s['recompute']}.")
+    return None
+
+
+# (settings it reads, check); each runs only when every single setting it reads is fine.
+CROSS_CHECKS = [
+    (("microbatches", "batch_size"), _microbatches_fit_the_batch),
+    (("model", "dataset"), _model_takes_the_dataset),
+    (("stages", "schedule", "microbatches"), _stages_fit_the_schedule),
+    (("execution", "recompute"), _loop_recomputes),
+]
+
+
+def problems(config):
+    """What is wrong with a `TrainConfig`, as a list of one-line messages (empty: fine)."""
+    out = []
+    bad = set()
+    for name, check in FIELD_CHECKS.items():
+        message = check(getattr(config, name))
+        if message:
+            bad.add(name)
+            out.append(f"{name}={getattr(config, name)!r}: {message}")
+    settings = dataclasses.asdict(config)
+    for names, check in CROSS_CHECKS:
+        if not bad.intersection(names):
+            message = check(settings)
+            if message:
+                out.append(message)
+    return out
+
+
+def check(config):
+    """Raises `RunError` with the first problem of `config` (see `problems`)."""
+    found = problems(config)
+    if found:
+        raise RunError(found[0])

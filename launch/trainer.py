@@ -1,0 +1,388 @@
+"""The training run behind `launch.train`: models, data, checkpoints, resume.
+
+`launch.train.train(config)` checks the settings (`launch.config`), takes the
+lock on --model_dir (`launch.run_lock`) and only then imports this module,
+which imports TensorFlow. Everything here runs under that lock.
+
+Data flow of one run:
+
+    data_lib.load -> BatchOrder (the rows of every global step) -> model.fit
+      callbacks: StepTimer -> StepRecorder (history, NaN guard, TensorBoard)
+                 -> Checkpointer (verified checkpoints with the history inside)
+    --resume: CheckpointStore.find -> restore (variables, step, history)
+              -> TensorBoard rebuilt from the history -> fit from that step
+"""
+
+import dataclasses
+import importlib.util
+import pathlib
+import shutil
+import sys
+import time
+from typing import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tfpipe
+from launch import checkpoints
+from launch import config as config_lib
+from launch import data as data_lib
+from launch.config import Diverged, RunError
+from models import mlp
+from models import resnet_cnn
+from models import transformer_lm
+from models import unet
+
+
+# -- models: name -> how to build it as a pipeline, and the data it takes -------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A trainable model: what data it takes and how to build its pipeline.
+
+    Attributes:
+      data_kind: "image", "segmentation" or "text" (see `launch.data.Data`).
+      default_dataset: the data set used for dataset="auto".
+      build: fn(config, data) -> an uncompiled `tfpipe.PipelinedModel`, called
+        under the `PipelineStrategy` scope.
+      view: fn(x) -> x as the model takes it (e.g. flattened 8x8 images).
+    """
+
+    data_kind: str
+    default_dataset: str
+    build: Callable
+    view: Callable = None
+
+    def __post_init__(self):
+        if self.view is None:
+            object.__setattr__(self, "view", lambda x: x)
+
+
+def _depth(config):
+    """Blocks (or hidden layers) to build: --depth, else 4, and at least one per stage."""
+    return max(config.depth or 4, config.stages)
+
+
+def _build_mlp(config, data):
+    # digits_mlp adds hidden layers itself when there are fewer than stages - 1.
+    plain = mlp.digits_mlp(config.stages, depth=config.depth or 4,
+                           num_classes=data.num_classes)
+    return tfpipe.PipelinedModel.from_model(
+        plain, balance=mlp.stage_balance(plain, config.stages))
+
+
+def _build_resnet(config, data):
+    plain = resnet_cnn.resnet_cnn(data.image_shape, data.num_classes,
+                                  num_blocks=_depth(config))
+    return tfpipe.PipelinedModel.from_model(
+        plain, balance=resnet_cnn.stage_balance(plain, config.stages))
+
+
+def _build_transformer(config, data):
+    stages = transformer_lm.transformer_stages(
+        config.stages, num_layers=_depth(config), vocab_size=data.num_classes,
+        seq_len=data.seq_len)
+    return tfpipe.PipelinedModel(stages, input_shape=(None, data.seq_len), input_dtype="int32",
+                                 name="pipelined_transformer_lm")
+
+
+def _build_unet(config, data):
+    plain = unet.unet(input_shape=data.image_shape, num_classes=data.num_classes,
+                      depth=2)
+    return tfpipe.PipelinedModel.from_model(
+        plain, balance=unet.stage_balance(plain, config.stages))
+
+
+_BUILDERS = {
+    "mlp": (_build_mlp, data_lib.as_flat_8x8),
+    "resnet": (_build_resnet, None),
+    "transformer": (_build_transformer, None),
+    "unet": (_build_unet, None),
+}
+MODELS = {name: ModelSpec(*config_lib.MODEL_DATA[name], build, view)
+          for name, (build, view) in _BUILDERS.items()}
+
+# Built-in data sets (no download); "tfds:NAME" loads a prepared TFDS data set.
+DATASETS = data_lib.BUILTIN
+
+
+class StepTimer(keras.callbacks.Callback):
+    """Times each training step, from on_train_batch_begin to on_train_batch_end."""
+
+    def __init__(self):
+        super().__init__()
+        self.times = []  # seconds, every step of every epoch
+        self._start = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter() - self._start)
+
+    def mean_ms(self):
+        """Mean step time in ms, leaving out the first step (tracing); None if no step ran."""
+        times = self.times[1:] or self.times
+        return 1000.0 * float(np.mean(times)) if times else None
+
+
+def _stage_devices(config):
+    """The pipeline's devices: logical GPUs if there are enough, else logical CPUs."""
+    needed = config_lib.num_devices(config)
+    gpus = tfpipe.placement.available_devices("GPU")
+    pool = gpus if len(gpus) >= needed else tfpipe.placement.available_devices("CPU")
+    if needed > len(pool):
+        raise RunError(
+            f"--stages={config.stages} with --schedule={config.schedule} needs {needed} "
+            f"devices; there are {len(pool)}: {pool}. Use --logical_cpus >= {needed} on "
+            f"a CPU machine.")
+    return pool[:needed]
+
+
+def _run_settings(config, model_name, dataset, steps_per_epoch):
+    """The settings a resumed run must share: they fix variables and data order."""
+    return {
+        "model": model_name, "depth": config.depth, "dataset": dataset,
+        "max_examples": config.max_examples, "stages": config.stages,
+        "batch_size": config.batch_size, "steps_per_epoch": steps_per_epoch,
+        "seed": config.seed, "learning_rate": config.learning_rate,
+    }
+
+
+def _clear_outputs(model_dir):
+    """A fresh (not resumed) run starts without the outputs of an earlier one."""
+    for name in (checkpoints.CHECKPOINT_DIR, checkpoints.TENSORBOARD_DIR, "timeline"):
+        shutil.rmtree(model_dir / name, ignore_errors=True)
+    for name in (checkpoints.HISTORY_FILE, checkpoints.LOSS_PLOT):
+        (model_dir / name).unlink(missing_ok=True)
+
+
+def _warn(message):
+    print(f"launch.train: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _check_data(config, spec, dataset, data, x_train):
+    if data.kind != spec.data_kind:
+        kinds = sorted(n for n, s in MODELS.items() if s.data_kind == data.kind)
+        raise RunError(
+            f"--model={config.model} trains on {spec.data_kind} data, but --dataset="
+            f"{dataset} is {data.kind} data (models for it: {', '.join(kinds)}).")
+    for split, rows in (("training", len(x_train)), ("validation", len(data.x_val))):
+        if rows < config.microbatches:
+            raise RunError(
+                f"--dataset={dataset} has {rows} {split} example(s)"
+                f"{f' (--max_examples={config.max_examples})' if config.max_examples else ''}"
+                f", fewer than --microbatches={config.microbatches}: every {split} batch "
+                f"would leave micro-batches empty. Use more examples or fewer micro-batches.")
+
+
+def _resume_point(store, run, model_dir):
+    """What `--resume` restores: (step, manifest) or (None, None); prints what it skips.
+
+    Raises:
+      RunError: checkpoint files exist but none is intact (nothing is changed),
+        or the intact one belongs to a run with other settings.
+    """
+    found = store.find()
+    for note in found.notes:
+        _warn(note)
+    if found.step is None:
+        if found.any_files:
+            reasons = "; ".join(f"{name}: {why}" for name, why in found.skipped)
+            raise RunError(
+                f"--resume: no checkpoint in {store.dir} is intact, so there is nothing "
+                f"to resume from ({reasons}). Nothing was changed. Run without --resume to "
+                f"start afresh (this deletes them), or pass another --model_dir.")
+        print(f"--resume: no checkpoint in {store.dir}; starting from step 0.")
+        return None, None
+    recorded = checkpoints.RunHistory.from_json(model_dir / checkpoints.HISTORY_FILE,
+                                                found.manifest["history"])
+    diff = recorded.mismatches(run)
+    if diff:
+        raise RunError(
+            f"--resume: {model_dir} holds a run with other settings "
+            f"({', '.join(f'{k}: {a!r} then, {b!r} now' for k, (a, b) in diff.items())}"
+            f"). Use the same settings, or another --model_dir without --resume.")
+    for name, why in found.skipped:
+        _warn(f"skipped {name}: {why}.")
+    aside = [name for name, _ in found.skipped
+             if int(name.split("-")[1]) in store.files_by_step()]
+    if aside:
+        store.set_aside(aside)
+        _warn(f"moved the files of {', '.join(aside)} to "
+              f"{store.dir / checkpoints.SKIPPED_DIR}.")
+    return found.step, found.manifest
+
+
+def train(config, callbacks=()):
+    """Trains `config.model` on `config.dataset` as a tfpipe pipeline.
+
+    Call it through `launch.train.train`, which checks `config` and holds the
+    lock on `config.model_dir` while this runs. See that function.
+    """
+    spec = MODELS[config.model]
+    dataset = spec.default_dataset if config.dataset == "auto" else config.dataset
+    if importlib.util.find_spec("tensorboard") is None:
+        # tf.summary needs it, and would fail only mid-epoch.
+        raise ImportError(
+            "launch.train logs to TensorBoard, which is not installed: "
+            "pip install tensorboard"
+        )
+    needed = config_lib.num_devices(config)
+    if not tf.config.list_physical_devices("GPU") and needed > config.logical_cpus:
+        raise RunError(
+            f"--stages={config.stages} with --schedule={config.schedule} needs "
+            f"{needed} devices, but --logical_cpus={config.logical_cpus} (and there is no "
+            f"GPU). Use --logical_cpus={needed}.")
+    # A no-op when the process already has this many logical CPUs (e.g. a test's
+    # conftest called it); must precede every TensorFlow op.
+    tfpipe.testing.use_logical_cpus(config.logical_cpus)
+    devices = _stage_devices(config)
+    keras.utils.set_random_seed(config.seed)
+
+    try:
+        data = data_lib.load(dataset, seed=config.seed, data_dir=config.data_dir,
+                             max_examples=config.max_examples)
+    except ValueError as err:  # an unknown or unprepared TFDS data set, too little text
+        raise RunError(str(err)) from None
+    x_train, y_train = spec.view(data.x_train), data.y_train
+    x_val, y_val = spec.view(data.x_val), data.y_val
+    _check_data(config, spec, dataset, data, x_train)
+
+    order = data_lib.BatchOrder(len(x_train), config.batch_size, config.seed)
+    steps_per_epoch = config.steps_per_epoch or order.batches_per_pass
+    total_steps = config.epochs * steps_per_epoch
+    run = _run_settings(config, config.model, dataset, steps_per_epoch)
+
+    model_dir = pathlib.Path(config.model_dir)
+    checkpoint_dir = model_dir / checkpoints.CHECKPOINT_DIR
+    history_path = model_dir / checkpoints.HISTORY_FILE
+    checkpoints.remove_temporary_files(model_dir)
+    checkpoints.remove_temporary_files(checkpoint_dir)
+    # The checkpoint object is set once the model exists; finding and checking
+    # what to resume from needs only the files, so a refusal comes first.
+    store = checkpoints.CheckpointStore(checkpoint_dir, checkpoint=None)
+    resume_step = manifest = None
+    if config.resume:
+        resume_step, manifest = _resume_point(store, run, model_dir)
+    else:
+        _clear_outputs(model_dir)
+
+    strategy = tfpipe.PipelineStrategy(
+        devices=devices, num_microbatches=config.microbatches,
+        schedule=config.schedule, execution=config.execution,
+        recompute=None if config.recompute == "auto" else config.recompute,
+    )
+    with strategy.scope():
+        model = spec.build(config, data)
+        # Compiling a built PipelinedModel builds the optimizer there and then:
+        # every slot on its variable's stage device, before the restore below.
+        model.compile(
+            optimizer=keras.optimizers.Adam(config.learning_rate),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+
+    with tf.device("/CPU:0"):
+        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+    store.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step)
+    history = checkpoints.RunHistory(history_path, run)
+    if resume_step is not None:
+        # Into the variables that exist already: values move, devices stay.
+        history = store.restore(resume_step, manifest, history_path)
+        history.save()  # the history.json copy now agrees with the checkpoint
+        print(f"Resuming from {store.path(resume_step)} (step {int(step)}).")
+    start_step = int(step)
+    if start_step >= total_steps and config.resume and start_step:
+        print(f"The run had finished: step {start_step} of {total_steps} "
+              f"(--epochs={config.epochs} x {steps_per_epoch} steps); nothing to train.")
+
+    verbose = config.verbose
+    if verbose is None:
+        verbose = 1 if sys.stdout.isatty() else 2
+    timer = StepTimer()
+    board = checkpoints.TensorBoardLog(model_dir / checkpoints.TENSORBOARD_DIR)
+    board.rebuild(history)  # a resumed run's logs: exactly its restored steps
+    variables = list(model.weights) + list(model.optimizer.variables)
+    checkpointer = checkpoints.Checkpointer(store, step, config.checkpoint_every,
+                                            steps_per_epoch, history, variables)
+    timeline = None
+    if config.timeline:
+        # One measured step (forward + backward, no update) when fit ends: a
+        # Chrome trace and a Gantt chart, also shown in TensorBoard's Images.
+        timeline = tfpipe.profile.PipelineTimeline(
+            x_train[: config.batch_size], y_train[: config.batch_size],
+            log_dir=str(model_dir / "timeline"),
+            tensorboard_dir=str(model_dir / checkpoints.TENSORBOARD_DIR / "pipeline"))
+    own_callbacks = [
+        timer,
+        # First: it stops at a non-finite loss before anything records the step,
+        # and puts the epoch's running means into the logs the others see.
+        checkpoints.StepRecorder(history, order.num_rows_of, start_step, board),
+        checkpointer,  # after the StepRecorder: it saves the history that one appends to
+    ]
+    validation = (x_val, y_val)
+
+    def fit(first_step, last_step, epochs, initial_epoch, last_fit):
+        model.fit(
+            order.dataset(x_train, y_train, first_step, last_step),
+            epochs=epochs, initial_epoch=initial_epoch,
+            steps_per_epoch=(last_step - first_step) // (epochs - initial_epoch),
+            validation_data=validation, validation_batch_size=config.batch_size,
+            callbacks=[*own_callbacks, *([timeline] if timeline and last_fit else []),
+                       *callbacks],
+            verbose=verbose,
+            shuffle=False,  # the order is BatchOrder's, a function of the step
+        )
+
+    try:
+        epoch, into_epoch = divmod(start_step, steps_per_epoch)
+        if start_step < total_steps and into_epoch:
+            # Resumed mid-epoch: first the rest of that epoch, as its own Keras epoch.
+            fit(start_step, (epoch + 1) * steps_per_epoch, epoch + 1, epoch,
+                last_fit=epoch + 1 >= config.epochs)
+            epoch += 1
+        if epoch < config.epochs:
+            fit(epoch * steps_per_epoch, total_steps, config.epochs, epoch, last_fit=True)
+        checkpointer.save()  # the final state, whatever --checkpoint_every is
+    except Diverged as err:
+        kept = (f"the newest checkpoint, {store.latest_path}, is the last one saved (its "
+                f"weights are finite) and --resume would continue from it"
+                if store.latest_path else "no checkpoint had been saved")
+        raise Diverged(
+            f"training diverged: {err}. Stopped there; nothing non-finite was saved: "
+            f"{kept}. A lower --learning_rate (now {config.learning_rate:g}) may help.",
+            err.step) from None
+    finally:
+        board.close()
+
+    history.save()
+    plot_path = model_dir / checkpoints.LOSS_PLOT
+    history.plot_loss(plot_path)
+    per_epoch = history.per_epoch()
+
+    def last(key):
+        return float(per_epoch[key][-1]) if per_epoch.get(key) else float("nan")
+
+    return {
+        "history": per_epoch,
+        "train_loss": last("loss"),
+        "train_accuracy": last("accuracy"),
+        "val_loss": last("val_loss"),
+        "val_accuracy": last("val_accuracy"),
+        "step_time_ms": timer.mean_ms(),
+        "steps": int(step),
+        "start_step": start_step,
+        "checkpoint": store.latest_path,
+        "loss_plot": str(plot_path),
+        "data_kind": data.kind,
+        "pipeline_summary": model.pipeline_summary(),
+        "timeline": (timeline.paths[-1] if timeline and timeline.paths else None),
+        "timeline_bubble": ((timeline.timelines[-1].measured_bubble,
+                             timeline.timelines[-1].simulated_bubble)
+                            if timeline and timeline.timelines else None),
+        "model": model,
+    }
