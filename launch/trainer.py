@@ -196,6 +196,8 @@ def _resume_point(store, run, model_dir):
                 f"--resume: no checkpoint in {store.dir} is intact, so there is nothing "
                 f"to resume from ({reasons}). Nothing was changed. Run without --resume to "
                 f"start afresh (this deletes them), or pass another --model_dir.")
+        for name, why in found.skipped:  # a state file naming checkpoints now gone
+            _warn(f"skipped {name}: {why}.")
         print(f"--resume: no checkpoint in {store.dir}; starting from step 0.")
         return None, None
     recorded = checkpoints.RunHistory.from_json(model_dir / checkpoints.HISTORY_FILE,

@@ -338,11 +338,23 @@ def test_resume_refuses_and_changes_nothing(tmp_path, cut_run, damage, changes, 
     assert _tree(model_dir) == before
 
 
-def test_resume_without_any_checkpoint_starts_at_step_0(tmp_path, capsys, reference):
+@pytest.mark.parametrize("state_file, expected", [
+    (None, []),
+    ('model_checkpoint_path: "ckpt-6"\n',  # every checkpoint file deleted by hand
+     ["launch.train: warning: skipped ckpt-6: {ckpt}/checkpoint lists it, but its files are "
+      "gone."]),
+], ids=["empty_model_dir", "only_a_state_file_left"])
+def test_resume_without_any_checkpoint_file_starts_at_step_0(
+        tmp_path, capsys, reference, state_file, expected):
+    ckpt = tmp_path / "checkpoints"
+    if state_file:
+        ckpt.mkdir()
+        (ckpt / "checkpoint").write_text(state_file)
     logs = _EpochLogs()
     result = train_lib.train(_config(tmp_path, resume=True), callbacks=[logs])
-    assert (f"--resume: no checkpoint in {tmp_path / 'checkpoints'}; starting from step 0."
-            in capsys.readouterr().out)
+    captured = capsys.readouterr()
+    assert _warnings(captured) == [line.format(ckpt=ckpt) for line in expected]
+    assert f"--resume: no checkpoint in {ckpt}; starting from step 0." in captured.out
     assert result["start_step"] == 0
     _assert_same_as_reference(tmp_path, result, logs, reference, first_epoch=0)
 
