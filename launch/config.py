@@ -80,18 +80,36 @@ MODEL_DATA = {
 }
 RECOMPUTE_MODES = ("auto", "always", "except_last", "never")  # auto: tfpipe's default
 EXECUTIONS = ("unrolled", "loop")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved:V")
-_SCHEDULE = re.compile(r"(gpipe|1f1b|interleaved)(?::([0-9]+))?")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved:V", "zbh1", "zbv",
+             "NAME/segments=N")
+
+
+def _schedules():
+    """`tfpipe.schedules` (pure Python) without starting TensorFlow:
+    `import tfpipe` would, so before TensorFlow is loaded the module is read
+    from its file."""
+    import sys  # pylint: disable=import-outside-toplevel
+    if "tensorflow" in sys.modules:
+        import tfpipe.schedules  # pylint: disable=import-outside-toplevel
+        return tfpipe.schedules
+    name = "_launch_tfpipe_schedules"
+    if name not in sys.modules:
+        import importlib.util  # pylint: disable=import-outside-toplevel
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "tfpipe", "schedules.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 KEEP_CHECKPOINTS = 3  # the newest this many committed checkpoints are kept
 MAX_SEED = 2**32 - 1  # numpy's legacy seeding (keras.utils.set_random_seed) takes < 2**32
 
 
 def virtual_stages(schedule):
-    """Stages per device of a valid schedule name: v for interleaved[:v], else 1."""
-    name, v = _SCHEDULE.fullmatch(schedule.lower()).groups()
-    if name != "interleaved":
-        return 1
-    return int(v) if v else 2
+    """Stages per device of a valid schedule name (v for interleaved:v, 2 for
+    zbv, times n for NAME/segments=n)."""
+    return _schedules().get(schedule).virtual_stages
 
 
 def num_devices(config):
@@ -132,12 +150,16 @@ def _check_dataset(value):
 
 
 def _check_schedule(value):
-    match = isinstance(value, str) and _SCHEDULE.fullmatch(value.lower())
-    if not match:
-        return (f"unknown schedule {value!r}; valid choices: gpipe, 1f1b, interleaved "
-                f"(2 stages per device) or interleaved:V (V stages per device, V >= 1)")
-    if match.group(2) is not None and int(match.group(2)) < 1:
+    match = isinstance(value, str) and re.fullmatch(r"interleaved:([0-9]+)", value.lower())
+    if match and int(match.group(1)) < 1:
         return f"interleaved:V needs V >= 1 stages per device, got {value!r}"
+    try:
+        _schedules().get(value)
+    except ValueError:
+        return (f"unknown schedule {value!r}; valid choices: gpipe, 1f1b, interleaved "
+                f"(2 stages per device), interleaved:V (V stages per device, V >= 1), "
+                f"zbh1, zbv (2 stages per device, in a V), or NAME/segments=N (each "
+                f"stage recomputed in N pieces)")
     return None
 
 
@@ -228,7 +250,7 @@ def _stages_fit_the_schedule(s):
                 f"must be a multiple of {v}; got --stages={s['stages']}. Use "
                 f"--stages={v * -(-s['stages'] // v)}.")
     devices = s["stages"] // v
-    if v > 1 and s["microbatches"] % devices:
+    if s["schedule"].lower().startswith("interleaved") and s["microbatches"] % devices:
         good = devices * -(-s["microbatches"] // devices)
         return (f"--schedule={s['schedule']} needs --microbatches to be a multiple of its "
                 f"{devices} devices (--stages={s['stages']} / {v}); got "

@@ -309,9 +309,19 @@ class PipelinedModel(keras.Model):
             else:
                 h = _map_shapes(lambda s: keras.KerasTensor(s, dtype=self._input_dtype),
                                 input_shape)
-            for stage, device in zip(self.stages, self.stage_devices):
+            for k, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
                 with tf.device(device):
-                    h = stage(h, training=False)
+                    try:
+                        h_next = stage(h, training=False)
+                    except (ValueError, TypeError) as err:
+                        if k == 0:
+                            raise
+                        raise ValueError(
+                            f"Stage {k} ({stage.name!r}) cannot take the output of stage "
+                            f"{k - 1} ({self.stages[k - 1].name!r}): {_describe(h)}. Make "
+                            f"stage {k} accept that (or change the cut). Keras said: "
+                            f"{err}") from err
+                    h = h_next
             placement.place_variables(self.stages, self.stage_devices)
             for k, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
                 own = [v for v in stage.variables
@@ -423,7 +433,27 @@ class PipelinedModel(keras.Model):
                 f"{what}: the model was compiled with a loss but the data has no labels "
                 f"(y=None). Pass y, or compile without a loss.")
 
+    def _check_call(self, x, what):
+        """Refuses what Keras would report without naming the fix: a call under
+        another strategy's scope, a dict fed to hand-made stages built for
+        one unnamed input."""
+        if tf.distribute.has_strategy() and (
+                tf.distribute.get_strategy() is not self._distribute_strategy):
+            raise ValueError(
+                f"{what}: called under {type(tf.distribute.get_strategy()).__name__}'s "
+                f"scope, but this model belongs to its own tfpipe.PipelineStrategy "
+                f"({self._distribute_strategy.num_stages} stages); call it outside any "
+                f"strategy scope or inside that one.")
+        built = getattr(self, "_built_input_shape", None)
+        if (isinstance(x, dict) and self._source is None and built is not None
+                and not isinstance(built, dict)):
+            raise ValueError(
+                f"{what}: x is a dict (keys {sorted(x)}) but the pipeline takes one input "
+                f"of shape {tuple(built)}; pass the array, or use "
+                f"PipelinedModel.from_model with keras.Inputs of those names.")
+
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        self._check_call(x, "fit")
         self._check_labels(x, y, "fit")
         self._check_batch(batch_size, x, "fit")
         self._build_from_data(x)
@@ -434,12 +464,14 @@ class PipelinedModel(keras.Model):
         return super().fit(x, y, batch_size, *args, **kwargs)
 
     def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        self._check_call(x, "evaluate")
         self._check_labels(x, y, "evaluate")
         self._check_batch(batch_size, x, "evaluate")
         self._build_from_data(x)
         return super().evaluate(x, y, batch_size, *args, **kwargs)
 
     def predict(self, x, batch_size=None, *args, **kwargs):
+        self._check_call(x, "predict")
         self._check_batch(batch_size, x, "predict")
         self._build_from_data(x)
         return super().predict(x, batch_size, *args, **kwargs)
@@ -630,3 +662,11 @@ class PipelinedModel(keras.Model):
                     stages.append(keras.saving.deserialize_keras_object(
                         stage_config, custom_objects=custom_objects))
             return cls(stages=stages, name=name, input_dtype=input_dtype, **settings)
+
+
+def _describe(structure):
+    """'shape (None, 2, 2), float32' of a tensor, or of each leaf of a nest."""
+    leaves = [t for t in tf.nest.flatten(structure) if t is not None]
+    parts = [f"shape {tuple(t.shape)}, {keras.backend.standardize_dtype(t.dtype)}"
+             for t in leaves]
+    return parts[0] if len(parts) == 1 else "; ".join(parts)

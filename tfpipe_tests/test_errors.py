@@ -265,13 +265,6 @@ ERRORS = [
     ("from_model_of_a_layer", from_model_of_a_layer, r"needs a keras.Sequential or functional"),
     ("lazy_build_from_a_generator", lazy_build_from_a_generator,
      r"pass input_shape=\(None, \.\.\.\)"),
-]
-
-
-# Bad input whose message does not yet name the fix: reported to the owner of
-# tfpipe/model.py with the message wanted (BUILD.md, "Bad input and faults"). Each
-# row expects that message and fails today (strict xfail: once it passes, drop the mark).
-REPORTED = [
     ("stages_with_mismatched_shapes", stages_with_mismatched_shapes,
      r"Stage 1 \('conv'\) cannot take the output of stage 0 \('to_2x2'\): shape "
      r"\(None, 2, 2\)"),
@@ -284,9 +277,6 @@ REPORTED = [
 
 @pytest.mark.parametrize("make_error, message", [
     *[pytest.param(f, m, id=name) for name, f, m in ERRORS],
-    *[pytest.param(f, m, id=name, marks=pytest.mark.xfail(
-        strict=True, reason="reported: the library's message does not name the fix yet"))
-      for name, f, m in REPORTED],
 ])
 def test_bad_input_raises_a_clear_value_error(make_error, message):
     with pytest.raises(ValueError, match=message):

@@ -522,8 +522,9 @@ BAD_FLAGS = [
                               "<auto|always|except_last|never>"),
     ("--execution=graph", "flag --execution=graph: value should be one of <unrolled|loop>"),
     ("--schedule=gpipee", "flag --schedule=gpipee: unknown schedule 'gpipee'; valid choices: "
-                          "gpipe, 1f1b, interleaved (2 stages per device) or interleaved:V (V "
-                          "stages per device, V >= 1)"),
+                          "gpipe, 1f1b, interleaved (2 stages per device), interleaved:V (V "
+                          "stages per device, V >= 1), zbh1, zbv (2 stages per device, in a "
+                          "V), or NAME/segments=N (each stage recomputed in N pieces)"),
     ("--schedule=interleaved:0", "flag --schedule=interleaved:0: interleaved:V needs V >= 1 "
                                  "stages per device, got 'interleaved:0'"),
     ("--dataset=mnist", "flag --dataset=mnist: unknown dataset 'mnist'; valid choices: auto, "
@@ -550,6 +551,9 @@ BAD_FLAGS = [
      "flags stages=4, schedule=interleaved, microbatches=3: --schedule=interleaved needs "
      "--microbatches to be a multiple of its 2 devices (--stages=4 / 2); got "
      "--microbatches=3. Use --microbatches=4, or --schedule=1f1b."),
+    ("--stages=3 --schedule=zbv",
+     "flags stages=3, schedule=zbv, microbatches=4: --schedule=zbv puts 2 stages on each "
+     "device, so --stages must be a multiple of 2; got --stages=3. Use --stages=4."),
     ("--execution=loop --recompute=never",
      "flags execution=loop, recompute=never: --execution=loop keeps only the stage inputs, "
      "so it needs --recompute=always (or auto); got --recompute=never."),
@@ -623,7 +627,8 @@ def test_flag_choices_match_the_library():
 
     assert config_lib.RECOMPUTE_MODES[1:] == tfpipe.recompute.RECOMPUTE_MODES
     assert config_lib.EXECUTIONS == tfpipe.recompute.EXECUTIONS
-    for name in ("gpipe", "1f1b", "interleaved", "interleaved:3"):
+    for name in ("gpipe", "1f1b", "interleaved", "interleaved:3", "zbh1", "zbv",
+                 "1f1b/segments=2", "zbv/segments=3"):
         assert tfpipe.schedules.get(name).virtual_stages == config_lib.virtual_stages(name)
     from launch import trainer  # pylint: disable=import-outside-toplevel
 
