@@ -1,13 +1,12 @@
 """The loop form: a schedule run as one `tf.while_loop` over clock ticks.
 
-The unrolled engine (`tfpipe.engine`) traces every action, so its graph and
-trace time grow with M. Here the schedule becomes a constant (T, D) table of
-branch codes and micro-batch indices (`tfpipe.schedules.clock_ticks`); the
+The unrolled backend (`tfpipe.unrolled`) traces every action, so its graph
+and trace time grow with M. Here the schedule becomes a constant (T, D) table
+of branch codes and micro-batch indices (`tfpipe.schedules.clock_ticks`); the
 loop body runs, for each device d under `tf.device`, a `tf.switch_case` over
-d's possible actions (idle, F of each of its stages, B of each). The body is
-traced once, whatever M is. It computes exactly what the unrolled step does
-(same loss parts, seeds, deferred BatchNorm and boundary masks); only where
-state lives differs.
+d's possible actions (idle, and each (kind, stage) pair its row holds). The
+body is traced once, whatever M is. Each branch is the same handler of
+`tfpipe.runtime` the unrolled form runs; only where state lives differs.
 
 State carried from tick to tick (all written once per micro-batch):
   acts[k]   stage k's input boundary for every micro-batch (k >= 1)  TensorArrays
@@ -18,6 +17,8 @@ State carried from tick to tick (all written once per micro-batch):
   grads[d]  device d's gradients per variable (`_GradientSlot`)     tensors / TensorArrays
   extra[d]  call losses added on device d, weighted                  scalar
   num, div  the loss terms' numerators and divisor parts, summed      scalars
+  token[d]  device d's ordering token (its previous action finished)  scalar
+  times[d]  with a timeline: start and end of each of d's actions     TensorArray
 
 Micro-batches may differ in size by a row (`tfpipe.microbatch`), so the
 TensorArrays hold elements with a free batch dimension and outputs are
@@ -29,9 +30,9 @@ Ticks are not a barrier: iterations overlap, an action starts once the
 TensorArrays it reads hold its inputs and its device's token says the previous
 action is done; each device runs its actions in the schedule's order.
 
-Memory: only stage inputs are kept (every B recomputes its stage's forward),
-so this form is `recompute="always"`; a B replays the stage with the seeds
-its F used, so dropout masks match. Embedding (IndexedSlices) gradients keep
+Memory: only stage inputs are kept (every B, I and W recomputes its stage's
+forward), so this form is `recompute="always"`; a replay uses the seeds its
+F used, so dropout masks match. Embedding (IndexedSlices) gradients keep
 their rows (`_GradientSlot`), as in the unrolled step.
 """
 
