@@ -363,14 +363,24 @@ def after_gradient(h, g_out):
 
 def _weight_only_ops(new_ops, input_gradients):
     """Of the ops one `tape.gradient` call made, those only weight gradients
-    need: every op that is not an ancestor of an input gradient.
+    need: every stateless op that is not an ancestor of an input gradient or
+    of a stateful op.
 
     These are the W half of a split backward (each layer's dW from its input
     and its output gradient); the rest (the chain of activation gradients)
     is the I half.
     """
+    if any(op.type in _CONTROL_FLOW for op in new_ops):
+        # A backward through a loop or branch (an LSTM's while loop) builds
+        # ops whose order TF ties together: holding some back made cycles.
+        # Such a stage's W then only adds up what I computed.
+        return []
     created = {id(op) for op in new_ops}
-    needed, frontier = set(), [_op_of(t) for t in input_gradients]
+    # Stateful ops (and what they need) stay at I: tf.function orders
+    # stateful ops in creation order, so one held back to W would wait for
+    # later actions that wait for it (a cycle; seen with an LSTM's backward).
+    needed, frontier = set(), [_op_of(t) for t in input_gradients] + [
+        op for op in new_ops if _is_stateful(op)]
     while frontier:
         op = frontier.pop()
         if op is None or id(op) in needed or id(op) not in created:
@@ -382,6 +392,15 @@ def _weight_only_ops(new_ops, input_gradients):
 
 def _op_of(t):
     return getattr(t, "op", None)
+
+
+_CONTROL_FLOW = frozenset({"While", "StatelessWhile", "If", "StatelessIf", "Case",
+                           "StatelessCase"})
+
+
+def _is_stateful(op):
+    op_def = getattr(op, "op_def", None)
+    return True if op_def is None else op_def.is_stateful
 
 
 def release(ops, after):

@@ -5,7 +5,8 @@ with Keras' default losses, masks across cuts, ignore_class, wrappers and
 nested models in every stage position, adapted preprocessing layers, Lambda,
 a custom layer without get_config, shared layers, several outputs with dict
 losses, dict inputs, stage losses, sample weights under every reduction,
-sparse inputs), for M = 1 and M = 4 and the schedules and executions below
+sparse inputs), for M = 1 and M = 4 and the schedules (zero-bubble included)
+and executions below
 (the default suite runs each pattern in one of them; `-m slow` runs all).
 Each row trains the pipeline and a plain Keras twin (same initial weights)
 for one epoch of 3 Adam steps (the last batch ragged) and asserts: every
@@ -27,6 +28,9 @@ SETUPS = {
     "M4-gpipe": dict(num_microbatches=4, schedule="gpipe", recompute="except_last"),
     "M4-1f1b-always": dict(num_microbatches=4, schedule="1f1b", recompute="always"),
     "M4-loop": dict(num_microbatches=4, execution="loop"),
+    # Zero-bubble: a split backward (I then W) in the graph, and replayed in the loop.
+    "M4-zbh1": dict(num_microbatches=4, schedule="zbh1", recompute="never"),
+    "M4-zbv-loop": dict(num_microbatches=4, schedule="zbv", execution="loop"),
 }
 # The default suite runs each pattern once, the setups taking turns; the
 # whole matrix (every setup and every balance of every pattern) is marked
@@ -36,16 +40,27 @@ DEFAULT_XENT = ("sparse_categorical_crossentropy-softmax", "binary_crossentropy-
                 "categorical_label_smoothing-softmax")
 
 
+def _valid(setup, balance):
+    """ZB-V runs 2 stages per device: an even number of stages, given explicitly."""
+    return "zbv" not in setup or (balance is not None and len(balance) % 2 == 0)
+
+
 def _cases():
     cases, turn = [], 0
     xent = {p.name for p in patterns.crossentropy_patterns()}
     for pattern in patterns.all_patterns():
         default = None
         if pattern.name not in xent or pattern.name in DEFAULT_XENT:
-            default = (list(SETUPS)[1:][turn % 3], pattern.balances[0])
+            setups = list(SETUPS)[1:]
+            setup = setups[turn % len(setups)]
+            if not _valid(setup, pattern.balances[0]):
+                setup = setups[0]
+            default = (setup, pattern.balances[0])
             turn += 1
         for setup in SETUPS:
             for balance in pattern.balances:
+                if not _valid(setup, balance):
+                    continue
                 marks = () if (setup, balance) == default else (pytest.mark.slow,)
                 cases.append(pytest.param(pattern, setup, balance, marks=marks,
                                           id=f"{pattern.name}-{setup}-{balance}"))
