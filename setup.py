@@ -1,8 +1,21 @@
 """tfpipe: GPipe-style pipeline-parallel training for TensorFlow 2 / Keras 3.
 
+What installs what:
+
+    pip install .            the library `tfpipe` only: TensorFlow, Keras, absl-py
+    pip install '.[plot]'    + matplotlib, for `tfpipe.profile` Gantt charts
+    pip install '.[train]'   + what `launch/` (the trainer) and `benchmarks/` import:
+                             TensorBoard, TensorFlow Datasets, scikit-learn, matplotlib
+    pip install '.[test]'    [train] + pytest + keras-hub's small dependencies
+
+Only the package `tfpipe` is installed. `models/`, `launch/` and `benchmarks/`
+are folders of the repository, run from its root (`python -m launch.train`);
+they are not installed, so no generic top-level `models` or `launch` lands in
+site-packages.
+
 TensorFlow is declared as `tensorflow-cpu` (what CI and the CPU machines use).
-On a GPU or TPU machine install `tensorflow` (or `tensorflow[and-cuda]`) first,
-then `pip install --no-deps -e .` — see BUILD.md.
+On a GPU or TPU machine set TFPIPE_TENSORFLOW (e.g. 'tensorflow[and-cuda]==2.21.*')
+or install TensorFlow first, then `pip install --no-deps -e .` — see BUILD.md.
 """
 
 import os
@@ -11,29 +24,31 @@ from setuptools import find_packages, setup
 
 TF = os.environ.get("TFPIPE_TENSORFLOW", "tensorflow-cpu==2.21.*")
 
+PLOT = ["matplotlib"]
+TRAIN = [
+    "tensorboard",  # TensorBoard logs of launch.train
+    "tensorflow-datasets",  # --dataset=tfds:NAME
+    "importlib_resources",  # tensorflow-datasets 4.9.10 imports it without listing it
+    "scikit-learn",  # ships the digits data set the default training run uses
+    *PLOT,  # the loss curve (loss.png) and the timeline chart of launch.train
+]
+# keras-hub itself (and tensorflow-text, which would pull the full `tensorflow`
+# package beside tensorflow-cpu) install with --no-deps; these are their small
+# dependencies. See README / .ci/run.
+KERAS_HUB_DEPS = ["regex", "rich", "kagglehub", "tokenizers", "sentencepiece"]
+
 setup(
     name="tfpipe",
     version="0.1.0",
     description="GPipe-style pipeline-parallel training for TensorFlow 2 / Keras 3",
     long_description=open(os.path.join(os.path.dirname(__file__), "README.md")).read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["tfpipe", "tfpipe.*", "models", "models.*",
-                                    "launch", "launch.*", "benchmarks", "benchmarks.*"]),
+    packages=find_packages(include=["tfpipe", "tfpipe.*"]),  # not models/, launch/, benchmarks/
     python_requires=">=3.10",
-    install_requires=[
-        TF,
-        "keras>=3.15,<4",
-        "absl-py",
-        "tensorboard",  # TensorBoard logs from the training entry point
-        "tensorflow-datasets",
-        "importlib_resources",  # tensorflow-datasets 4.9.10 imports it without listing it
-        "scikit-learn",  # ships the digits data set the default training run uses
-        "matplotlib",  # the loss curve (loss.png) of launch.train
-    ],
+    install_requires=[TF, "keras>=3.15,<4", "absl-py"],
     extras_require={
-        # keras-hub itself (and tensorflow-text, which would pull the full
-        # `tensorflow` package beside tensorflow-cpu) install with --no-deps;
-        # these are their small dependencies. See README / .ci/run.
-        "test": ["pytest", "regex", "rich", "kagglehub", "tokenizers", "sentencepiece"],
+        "plot": PLOT,
+        "train": TRAIN,
+        "test": [*TRAIN, "pytest", *KERAS_HUB_DEPS],
     },
 )

@@ -93,7 +93,11 @@ class Timeline:
 
     def plot(self, path=None):
         """A Gantt chart (PNG). Writes `path` if given; returns the PNG bytes."""
-        import matplotlib  # pylint: disable=import-outside-toplevel
+        try:  # an extra: the library itself needs only TensorFlow and Keras
+            import matplotlib  # pylint: disable=import-outside-toplevel
+        except ImportError as err:
+            raise ImportError("Timeline.plot draws with matplotlib, which is not installed: "
+                              "pip install 'tfpipe[plot]' (or matplotlib)") from err
         matplotlib.use("Agg")
         from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
 
