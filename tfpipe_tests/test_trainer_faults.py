@@ -679,6 +679,9 @@ def _kill_and_resume(tmp_path, capsys, reference, where, committed, expected):
     proc = _child(["-c", _MAIN_KILLED_AT, f"--model_dir={model_dir}", *FLAGS],
                   env={"KILL_BEFORE": where})
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    # TensorFlow started quietly (launch.train.quiet_start_up; test_packaging.py).
+    assert [line for line in proc.stderr.splitlines()
+            if "oneDNN" in line or "absl::InitializeLog" in line or "E0000" in line] == []
     assert _committed(model_dir) == committed
     capsys.readouterr()
     logs = _EpochLogs()
