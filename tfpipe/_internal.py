@@ -18,6 +18,7 @@ import tensorflow as tf
 from keras.src.backend.common import masking as keras_masking
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.framework import ops
+from tensorflow.python.ops import control_flow_util
 
 
 class PipelineExtended(distribute_lib._DefaultDistributionExtended):  # pylint: disable=protected-access
@@ -98,6 +99,20 @@ def in_keras_symbolic_build():
     from keras.src.backend.common import stateless_scope  # pylint: disable=import-outside-toplevel
 
     return stateless_scope.in_stateless_scope()
+
+
+def in_xla_context():
+    """True while tracing code that XLA will compile as one program: a
+    `tf.function(jit_compile=True)` (Keras' `compile(jit_compile=True)`) or a
+    TPU computation, or anything nested in one."""
+    return control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
+
+
+def tpu_cores_per_replica(strategy):
+    """Logical cores per replica of a `tf.distribute.TPUStrategy` (its
+    extended's `_tpu_devices` is [replicas, cores]; TensorFlow itself reads it
+    so in `experimental_logical_device`)."""
+    return int(strategy.extended._tpu_devices.shape[1])  # pylint: disable=protected-access
 
 
 def in_keras_symbolic_scope():

@@ -30,6 +30,12 @@ Ticks are not a barrier: iterations overlap, an action starts once the
 TensorArrays it reads hold its inputs and its device's token says the previous
 action is done; each device runs its actions in the schedule's order.
 
+Under XLA (`compile(jit_compile=True)`, one device; `tfpipe.xla`) every
+micro-batch has N / M rows (`Split.assume_equal`) and each TensorList is
+created with its element shape as a tensor XLA knows when it compiles
+(`_array`): an XLA TensorList must be initialised, with one shape, before the
+while loop that writes it.
+
 Memory: only stage inputs are kept (every B, I and W recomputes its stage's
 forward), so this form is `recompute="always"`; a replay uses the seeds its
 F used, so dropout masks match. Embedding (IndexedSlices) gradients keep
@@ -43,19 +49,36 @@ from tfpipe import gradients as gradients_lib
 from tfpipe import loss as loss_lib
 from tfpipe import runtime
 from tfpipe import schedules
+from tfpipe import xla
 
 
 def _flat_specs(spec):
     return tf.nest.flatten(spec)
 
 
-def _array(spec, m_count):
+def _array(spec, m_count, rows=None):
+    """A TensorArray of `m_count` micro-batch elements of `spec` (batch dim
+    None). Under XLA `rows` is the micro-batch size (an int32 scalar XLA
+    knows when compiling): the list is then created with its whole element
+    shape, which XLA needs before the loop."""
     if not isinstance(spec, tf.TensorSpec):
         raise ValueError(
             f"execution='loop' passes dense tensors between stages; a stage returns "
             f"{spec!r}. Use execution='unrolled' for composite tensors between stages.")
-    return tf.TensorArray(spec.dtype, size=m_count, element_shape=spec.shape,
-                          infer_shape=False, clear_after_read=False)
+    if rows is None:
+        return tf.TensorArray(spec.dtype, size=m_count, element_shape=spec.shape,
+                              infer_shape=False, clear_after_read=False)
+    if spec.shape.rank is None or not spec.shape[1:].is_fully_defined():
+        raise ValueError(
+            f"execution='loop' under jit_compile=True needs stage boundaries whose shape "
+            f"is static except the batch dimension; one has shape {spec.shape}. Give the "
+            f"model static shapes (keras.Input(shape=...) without None), or use "
+            f"execution='unrolled'.")
+    shape = tf.concat([tf.reshape(rows, [1]) if spec.shape.rank else tf.zeros([0], tf.int32),
+                       tf.constant(spec.shape[1:].as_list(), tf.int32)], 0)
+    flow = tf.raw_ops.TensorListReserve(element_shape=shape, num_elements=m_count,
+                                        element_dtype=spec.dtype)
+    return tf.TensorArray(spec.dtype, flow=flow, infer_shape=False, clear_after_read=False)
 
 
 def _read(arrays, specs, m):
@@ -202,6 +225,8 @@ class _Layout:
         interfaces = step.interfaces
         backward = step.backward_step
         var_index = {id(v): i for i, v in enumerate(step.variables)}
+        # Under XLA every micro-batch has this many rows (Split.assume_equal).
+        rows = step.batch.split.equal_size
         # Per device, the variables its stages' backward passes add to.
         self.device_vars = [[] for _ in range(d_count)]
         self.slots = [{} for _ in range(d_count)]  # device -> variable index -> _GradientSlot
@@ -223,15 +248,21 @@ class _Layout:
                     for c in interfaces[k].recorded or [] for t in (c.count, c.mean, c.variance)]
 
         n_terms = len(step.split.terms) if backward else 0
+        if rows is not None and any(slot.sparse for slots in self.slots
+                                    for slot in slots.values()):
+            raise ValueError(
+                "execution='loop' under jit_compile=True cannot keep embedding "
+                "(IndexedSlices) gradients, whose row count varies; use "
+                "execution='unrolled' with jit_compile=True.")
         self.state = {
-            "acts": [[_array(s, m_count) for s in _flat_specs(interfaces[k - 1].specs)]
+            "acts": [[_array(s, m_count, rows) for s in _flat_specs(interfaces[k - 1].specs)]
                      if k else [] for k in range(k_count)],
-            "outs": [_array(s, m_count) for s in _flat_specs(interfaces[-1].specs)],
+            "outs": [_array(s, m_count, rows) for s in _flat_specs(interfaces[-1].specs)],
             "seeds": [[tf.TensorArray(v.dtype, size=m_count, element_shape=v.shape,
                                       clear_after_read=False)
                        for v in pipeline.stage_states[k].seed_variables()] if backward else []
                       for k in range(k_count)],
-            "gin": [[_array(s, m_count) for s in self.connected_specs(k)] if backward else []
+            "gin": [[_array(s, m_count, rows) for s in self.connected_specs(k)] if backward else []
                     for k in range(k_count - 1)],
             "bn": [bn_arrays(k) if backward else [] for k in range(k_count)],
             "grads": [[self.slots[d][i].initial() for i in self.device_vars[d]]
@@ -277,7 +308,8 @@ class _Layout:
         self.positions = tf.constant(
             [[0 if a is None else rows[d].index(a) for d, a in enumerate(row)]
              for row in ticks], tf.int32)
-        self.state["times"] = [tf.TensorArray(tf.float64, size=2 * len(r)) for r in rows]
+        self.state["times"] = [tf.TensorArray(tf.float64, size=2 * len(r), element_shape=[])
+                               for r in rows]
         for d, owned in enumerate(self.owned):
             owned.append(("times", d))
 
@@ -345,6 +377,7 @@ class LoopBackend:
     """Walks the schedule as a `tf.while_loop` over clock ticks."""
 
     def train(self, pipeline, batch, split, scale_loss, timeline):
+        _equal_under_xla(batch)
         ticks = schedules.clock_ticks(pipeline.schedule, batch.num_microbatches,
                                       len(pipeline.devices))
         step = runtime.Step(pipeline, batch, _order(ticks), split, scale_loss, training=True,
@@ -358,6 +391,7 @@ class LoopBackend:
         return step.finish(layout.finished(state))
 
     def forward(self, pipeline, batch, training):
+        _equal_under_xla(batch)
         ticks = schedules.clock_ticks(pipeline.schedule, batch.num_microbatches,
                                       len(pipeline.devices), forward_only=True)
         step = runtime.Step(pipeline, batch, _order(ticks), None, training=training)
@@ -423,6 +457,12 @@ class LoopBackend:
                                  (tf.constant(0), layout.state),
                                  parallel_iterations=max(1, len(ticks)))
         return state
+
+
+def _equal_under_xla(batch):
+    """Under XLA, micro-batches of N / M rows each (see the module doc)."""
+    if xla.in_xla_program():
+        batch.split.assume_equal()
 
 
 def _order(ticks):

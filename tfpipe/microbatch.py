@@ -86,17 +86,31 @@ class Split:
             self.static_size = None
         self._base = self.num_rows // m
         self._extra = self.num_rows % m
+        self.equal_size = None
+
+    def assume_equal(self):
+        """From now on every micro-batch has exactly N / M rows, taken with
+        slice sizes known when an XLA program is compiled (the loop step under
+        `jit_compile=True`, whose TensorLists hold one shape). N must be a
+        multiple of M (`tfpipe.xla.check_static_batch` says so before
+        training); if it is not, the reshape in `take` fails to compile rather
+        than drop rows."""
+        self.equal_size = self._base
 
     # -- sizes ---------------------------------------------------------------
 
     def size(self, m):
         """Rows of micro-batch m (int32 scalar tensor; m int or tensor)."""
         m = tf.cast(m, tf.int32)
+        if self.equal_size is not None:
+            return self.equal_size
         return self._base + tf.cast(m < self._extra, tf.int32)
 
     def start(self, m):
         """First row of micro-batch m (int32 scalar tensor)."""
         m = tf.cast(m, tf.int32)
+        if self.equal_size is not None:
+            return m * self.equal_size
         return m * self._base + tf.minimum(m, self._extra)
 
     def fraction(self, m):
@@ -111,7 +125,7 @@ class Split:
     def _taken(self, m):
         """(start, rows) actually read for micro-batch m: an empty one reads row 0."""
         size = self.size(m)
-        if self.static_size:  # N a multiple of M and >= M: never empty
+        if self.static_size or self.equal_size is not None:  # never empty
             return self.start(m), size
         empty = size < 1
         return tf.where(empty, 0, self.start(m)), tf.where(empty, 1, size)
@@ -137,6 +151,14 @@ class Split:
             if isinstance(t, tf.RaggedTensor):
                 return t[start:start + size]
             t = tf.convert_to_tensor(t)
+            if self.equal_size is not None:
+                # (M, N / M, ...) then row m: sizes XLA knows, and a loud
+                # compile error, never dropped rows, if N is not a multiple of M.
+                shape = tf.concat([[self.num_microbatches, self.equal_size],
+                                   tf.shape(t)[1:]], 0)
+                out = tf.gather(tf.reshape(t, shape), tf.cast(m, tf.int32))
+                out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
+                return out
             out = t[start:start + size]
             if self.static_size is not None:
                 out.set_shape(tf.TensorShape([self.static_size]).concatenate(t.shape[1:]))
@@ -147,7 +169,7 @@ class Split:
     def keep_real(self, structure, m):
         """Micro-batch m's outputs without the stand-in row of an empty one
         (Keras masks and logits cut alike)."""
-        if self.num_microbatches == 1 or self.static_size:
+        if self.num_microbatches == 1 or self.static_size or self.equal_size is not None:
             return structure
         size = self.size(m)
         return tf.nest.map_structure(

@@ -36,6 +36,7 @@ from tfpipe import placement
 from tfpipe import schedules
 from tfpipe import strategy as strategy_lib
 
+from tfpipe import xla
 
 def _is_shape(value):
     return isinstance(value, (tuple, list, tf.TensorShape)) and all(
@@ -379,19 +380,17 @@ class PipelinedModel(keras.Model):
     # -- Keras API -------------------------------------------------------
 
     def compile(self, *args, jit_compile="auto", **kwargs):
-        """As `keras.Model.compile`; XLA is never applied to the whole step.
-
-        A multi-device step must not be one XLA cluster (Keras' `"auto"` turns
-        XLA on for GPU machines), so `jit_compile` is forced to False.
+        """As `keras.Model.compile`. `jit_compile=True` compiles the whole step
+        as one XLA program; it is accepted when every stage sits on one device
+        and refused for several (`tfpipe.xla.check_jit_compile`). Keras'
+        `"auto"` (XLA on GPU machines) is turned into False: a multi-device
+        step must not be one XLA cluster.
         """
-        if jit_compile is True:
-            raise ValueError(
-                "PipelinedModel.compile(jit_compile=True) would compile the whole "
-                "multi-device pipeline step as one XLA cluster on one device. Use "
-                "jit_compile=False (or leave the default)."
-            )
+        jit = jit_compile is True
+        if jit:
+            xla.check_jit_compile(self.pipeline_devices)
         with self._scope():
-            super().compile(*args, jit_compile=False, **kwargs)
+            super().compile(*args, jit_compile=jit, **kwargs)
         if self.optimizer is not None:
             _internal.adopt_optimizer(self.optimizer, self._distribute_strategy)
         self._build_optimizer()
@@ -440,6 +439,9 @@ class PipelinedModel(keras.Model):
         if tf.distribute.has_strategy() and (
                 tf.distribute.get_strategy() is not self._distribute_strategy):
             raise ValueError(
+        if self.execution == "loop" and getattr(self, "_jit_compile", None) is True:
+            xla.check_static_batch(x, batch_size, m, what,
+                                   "execution='loop' under jit_compile=True")
                 f"{what}: called under {type(tf.distribute.get_strategy()).__name__}'s "
                 f"scope, but this model belongs to its own tfpipe.PipelineStrategy "
                 f"({self._distribute_strategy.num_stages} stages); call it outside any "

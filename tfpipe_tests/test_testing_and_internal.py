@@ -121,3 +121,22 @@ def test_from_model_balances_by_params_by_default():
     with tfpipe.PipelineStrategy().scope():
         model = tfpipe.PipelinedModel.from_model(helpers.twin(ref))
     assert model.balance == [2, 2, 2, 2]
+
+
+def test_in_xla_context_and_tpu_cores_per_replica():
+    # Private TF APIs used by tfpipe.xla and tfpipe.tpu.
+    seen = []
+
+    def probe(x):
+        seen.append(_internal.in_xla_context())
+        return x + 1.0
+
+    tf.function(probe, jit_compile=True)(tf.constant(1.0))
+    tf.function(probe)(tf.constant(1.0))
+    assert seen == [True, False]
+    assert _internal.in_xla_context() is False
+    # TPUStrategy's extended keeps its [replicas, cores] devices here (no TPU
+    # to build one on CPU: check the attribute is where _internal reads it).
+    import inspect  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.distribute import tpu_strategy  # pylint: disable=import-outside-toplevel
+    assert "self._tpu_devices = " in inspect.getsource(tpu_strategy.TPUExtended.__init__)

@@ -1,0 +1,120 @@
+"""A step compiled as one XLA program: when it is allowed, and the static
+shapes it needs.
+
+`PipelinedModel.compile(jit_compile=True)` makes Keras trace the whole
+training step (every stage, every micro-batch, the optimizer update) into one
+XLA program. That is right when every stage sits on one device: interleaved or
+segmented stages on one CPU or GPU, or the cores of one TPU replica (there XLA
+itself moves tensors between cores). On several ordinary devices one XLA
+cluster would pull every stage onto one device, so it is refused
+(`check_jit_compile`).
+
+XLA compiles one program per input shape. The unrolled step slices each
+micro-batch with sizes known when it compiles, so a ragged last batch only
+costs another compilation. The loop step (`tfpipe.loop`) keeps micro-batches
+in TensorLists, which under XLA hold elements of one shape: every micro-batch
+must have exactly N / M rows (`tfpipe.microbatch.Split.assume_equal`), so
+every batch's N must be a multiple of M. A TPU needs static shapes whatever
+the execution. `check_static_batch` says so before training, naming the fix.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tfpipe import _internal
+
+
+def in_xla_program():
+    """True while tracing code that XLA compiles as one program
+    (`jit_compile=True`, or a TPU computation)."""
+    return _internal.in_xla_context()
+
+
+def check_jit_compile(pipeline_devices, on_tpu=False):
+    """Refuses `jit_compile=True` for a pipeline over several non-TPU devices.
+
+    Args:
+      pipeline_devices: the D device names the schedule runs on.
+      on_tpu: whether the stages are the logical cores of a TPU replica.
+    Raises:
+      ValueError: D > 1 and not on a TPU.
+    """
+    if on_tpu or len(set(pipeline_devices)) <= 1:
+        return
+    raise ValueError(
+        f"PipelinedModel.compile(jit_compile=True) would compile the whole "
+        f"multi-device pipeline step (devices {list(pipeline_devices)}) as one XLA "
+        f"cluster on one device. Use jit_compile=False (or leave the default), or put "
+        f"every stage on one device (e.g. PipelineStrategy(devices=['/CPU:0'], "
+        f"schedule='interleaved:2')) or on the cores of a TPU replica.")
+
+
+def _leading_dim(spec):
+    for leaf in tf.nest.flatten(spec):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and shape.rank:
+            return True, shape[0]
+    return False, None
+
+
+def static_batch_problem(x, batch_size, num_microbatches):
+    """What keeps the batches of `x` from all having one static size that is
+    a multiple of `num_microbatches`, or None if nothing does (or if `x` is a
+    generator or `keras.utils.PyDataset`, whose batches are unknown until
+    they come).
+
+    Args:
+      x: what `fit`/`evaluate`/`predict` take: a `tf.data.Dataset`, or a nest
+        of arrays (NumPy, tensors) with the examples on axis 0.
+      batch_size: the `batch_size` argument (None: Keras' 32 for arrays).
+      num_microbatches: M.
+    Returns:
+      A sentence (str) or None.
+    """
+    m = int(num_microbatches)
+    if x is None:
+        return None
+    if isinstance(x, tf.data.Dataset):
+        found, rows = _leading_dim(x.element_spec)
+        if not found:
+            return None
+        if rows is None:
+            return ("the dataset's batch dimension is None (its last batch may be "
+                    "smaller): batch it with .batch(n, drop_remainder=True)")
+        if rows % m:
+            return f"the dataset's batches have {rows} rows, not a multiple of {m}"
+        return None
+    if callable(getattr(x, "__next__", None)) or hasattr(x, "__getitem__") and \
+            hasattr(x, "on_epoch_end"):
+        return None  # a generator or PyDataset
+    leaves = [leaf for leaf in tf.nest.flatten(x) if leaf is not None]
+    if not leaves or not np.shape(leaves[0]):
+        return None
+    examples = int(np.shape(leaves[0])[0])
+    size = 32 if batch_size is None else int(batch_size)
+    if size % m:
+        return f"batch_size={size} is not a multiple of {m}"
+    if examples % size:
+        return (f"{examples} examples in batches of {size} leave a last batch of "
+                f"{examples % size} rows")
+    return None
+
+
+def check_static_batch(x, batch_size, num_microbatches, what, reason):
+    """Raises a `ValueError` naming the fix if `static_batch_problem` finds one.
+
+    Args:
+      x, batch_size, num_microbatches: as for `static_batch_problem`.
+      what: the call, e.g. `"fit"`, for the message.
+      reason: why static batches are needed, e.g. `"a TPU"`.
+    """
+    problem = static_batch_problem(x, batch_size, num_microbatches)
+    if problem is None:
+        return
+    m = int(num_microbatches)
+    raise ValueError(
+        f"{what}: {reason} needs every batch to have the same static size, a multiple "
+        f"of num_microbatches={m}, but {problem}. Use a tf.data.Dataset batched with "
+        f".batch(n, drop_remainder=True) where n is a multiple of {m} (a ragged batch "
+        f"needs drop_remainder=True), or arrays whose length is a multiple of "
+        f"batch_size.")

@@ -1,0 +1,109 @@
+"""Stages on TPU cores, checked without a TPU: the stage-to-core mapping on
+real `Topology`/`DeviceAssignment` objects (pure Python), and the errors."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpipe import tpu
+
+
+def _topology(mesh, block):
+    """A TPU topology of mesh (x, y, z, cores per chip) whose host tasks each
+    own a block (bx, by) of chips, their devices in (x, y, z, core) order,
+    core fastest (as on a v3-8 host: TPU:0 and TPU:1 are chip (0, 0))."""
+    size_x, size_y, size_z, cores = mesh
+    bx, by = block
+    tasks = []
+    for tx in range(size_x // bx):
+        for ty in range(size_y // by):
+            tasks.append([(tx * bx + x, ty * by + y, z, c) for x in range(bx)
+                          for y in range(by) for z in range(size_z) for c in range(cores)])
+    return tf.tpu.experimental.Topology(mesh_shape=mesh,
+                                        device_coordinates=np.array(tasks, np.int32))
+
+
+V38 = ([2, 2, 1, 2], (2, 2))   # one host, 4 chips x 2 cores (a v3-8)
+POD = ([4, 4, 1, 2], (2, 2))   # 4 hosts of 2x2 chips (a v3-32 slice)
+
+# (topology, computation_shape, replicas) -> per replica, (task, ordinal) of
+# stage 0..K-1.
+MAPPINGS = [
+    # K = 8: the replica's ring over the 4 chips is not ordinal order.
+    (V38, [2, 2, 1, 2], 1, [[(0, 0), (0, 1), (0, 4), (0, 5), (0, 6), (0, 7), (0, 2), (0, 3)]]),
+    # K = 2: both cores of one chip per replica, 4 replicas.
+    (V38, [1, 1, 1, 2], 4, [[(0, 0), (0, 1)], [(0, 4), (0, 5)], [(0, 6), (0, 7)],
+                            [(0, 2), (0, 3)]]),
+    (V38, [2, 1, 1, 2], 2, [[(0, 0), (0, 1), (0, 4), (0, 5)],
+                            [(0, 2), (0, 3), (0, 6), (0, 7)]]),
+    (V38, [1, 1, 1, 1], 8, [[(0, 0)], [(0, 1)], [(0, 4)], [(0, 5)], [(0, 2)], [(0, 3)],
+                            [(0, 6)], [(0, 7)]]),
+    # K = 16 over two hosts each, 2 replicas on a 4x4 mesh.
+    (POD, [2, 4, 1, 2], 2, [
+        [(0, 0), (0, 1), (0, 4), (0, 5), (0, 6), (0, 7), (1, 4), (1, 5), (1, 6), (1, 7),
+         (1, 2), (1, 3), (1, 0), (1, 1), (0, 2), (0, 3)],
+        [(2, 0), (2, 1), (2, 4), (2, 5), (2, 6), (2, 7), (3, 4), (3, 5), (3, 6), (3, 7),
+         (3, 2), (3, 3), (3, 0), (3, 1), (2, 2), (2, 3)]]),
+    # One core per chip: replica r takes core r of each of 16 chips.
+    (POD, [4, 4, 1, 1], 2, [
+        [(0, 0), (0, 2), (1, 0), (1, 2), (0, 4), (0, 6), (1, 4), (1, 6), (2, 0), (2, 2),
+         (3, 0), (3, 2), (2, 4), (2, 6), (3, 4), (3, 6)],
+        [(0, 1), (0, 3), (1, 1), (1, 3), (0, 5), (0, 7), (1, 5), (1, 7), (2, 1), (2, 3),
+         (3, 1), (3, 3), (2, 5), (2, 7), (3, 5), (3, 7)]]),
+]
+
+
+@pytest.mark.parametrize("mesh,shape,replicas,expected", MAPPINGS)
+def test_stage_cores_on_real_device_assignments(mesh, shape, replicas, expected):
+    topology = _topology(*mesh)
+    assignment = tf.tpu.experimental.DeviceAssignment.build(
+        topology, computation_shape=shape, num_replicas=replicas)
+    k = int(np.prod(shape))
+    cores = tpu.stage_cores(assignment, k)
+    assert [[(c.task, c.ordinal) for c in row] for row in cores] == expected
+    seen = set()
+    for r, row in enumerate(cores):
+        for s, core in enumerate(row):
+            assert (core.replica, core.stage, core.logical_core) == (r, s, s)
+            # The task's TPU device `ordinal` sits at the core's coordinates.
+            assert tuple(topology.device_coordinates[core.task, core.ordinal]) == \
+                core.coordinates
+            seen.add((core.task, core.ordinal))
+    assert len(seen) == replicas * k  # no core holds two stages
+
+
+def test_one_chip_holds_at_most_its_cores():
+    # computation_shape [1, 1, 1, K] fits K only up to the cores of one chip.
+    with pytest.raises(ValueError, match="does not fit"):
+        tf.tpu.experimental.DeviceAssignment.build(_topology(*V38),
+                                                   computation_shape=[1, 1, 1, 8])
+
+
+def _v38_assignment(k):
+    shape = {2: [1, 1, 1, 2], 8: [2, 2, 1, 2]}[k]
+    return tf.tpu.experimental.DeviceAssignment.build(_topology(*V38), computation_shape=shape)
+
+
+# (device assignment, num_stages) -> error text
+ERRORS = [
+    (lambda: _v38_assignment(8), 4, r"num_stages=4 but the device assignment has 8 cores "
+                                    r"per replica.*computation_shape of 4 cores"),
+    (lambda: _v38_assignment(2), 8, r"num_stages=8 but the device assignment has 2 cores"),
+    (lambda: _v38_assignment(2), 0, r"num_stages must be a positive int, got 0"),
+    (lambda: _v38_assignment(2), 2.0, r"num_stages must be a positive int, got 2.0"),
+    (lambda: _v38_assignment(2), True, r"num_stages must be a positive int, got True"),
+    (lambda: "v3-8", 2, r"device_assignment must be a tf.tpu.experimental.DeviceAssignment, "
+                        r"got str.*DeviceAssignment.build"),
+    (lambda: _topology(*V38), 2, r"got Topology"),
+]
+
+
+@pytest.mark.parametrize("make_assignment,num_stages,message", ERRORS)
+def test_stage_cores_errors(make_assignment, num_stages, message):
+    with pytest.raises(ValueError, match=message):
+        tpu.stage_cores(make_assignment(), num_stages)
+
+
+def test_no_strategy_here_is_a_tpu_strategy():
+    assert not tpu.is_tpu_strategy(tf.distribute.get_strategy())
+    assert not tpu.is_tpu_strategy(tf.distribute.OneDeviceStrategy("/CPU:0"))

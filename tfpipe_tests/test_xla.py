@@ -1,0 +1,148 @@
+"""A step compiled as one XLA program (`compile(jit_compile=True)`) with every
+stage on one logical CPU trains to the weights of the step without XLA, in
+both executions; what XLA needs (one device, static batches for the loop) is
+refused with the fix."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpipe
+from tfpipe import xla
+from tfpipe_tests import helpers
+
+TOL = 1e-5
+
+
+def _train(ref, execution, schedule, recompute, jit, x, y, m=4, batch_size=16):
+    strategy = tfpipe.PipelineStrategy(devices=["/CPU:0"], num_microbatches=m,
+                                       schedule=schedule, execution=execution,
+                                       recompute=recompute)
+    with strategy.scope():
+        model = tfpipe.PipelinedModel.from_model(helpers.twin(ref))
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"], jit_compile=jit)
+    assert model.jit_compile is jit
+    assert len(set(model.stage_devices)) == 1 and len(model.stages) == 2
+    history = model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0).history
+    return model, history
+
+
+SLOW = pytest.mark.slow
+# (execution, schedule, recompute): two stages on one CPU for every schedule
+# (Segmented cuts each stage of a one-device schedule in two).
+CASES = [
+    pytest.param("unrolled", "1f1b/segments=2", "except_last", marks=SLOW),
+    ("loop", "zbh1/segments=2", "always"),
+    pytest.param("unrolled", "gpipe/segments=2", "always", marks=SLOW),
+    pytest.param("unrolled", "gpipe/segments=2", "except_last", marks=SLOW),
+    pytest.param("unrolled", "gpipe/segments=2", "never", marks=SLOW),
+    pytest.param("unrolled", "1f1b/segments=2", "always", marks=SLOW),
+    pytest.param("unrolled", "1f1b/segments=2", "never", marks=SLOW),
+    pytest.param("unrolled", "zbh1/segments=2", "always", marks=SLOW),
+    pytest.param("unrolled", "zbh1/segments=2", "except_last", marks=SLOW),
+    pytest.param("unrolled", "zbh1/segments=2", "never", marks=SLOW),
+    pytest.param("unrolled", "interleaved:2", "except_last", marks=SLOW),
+    pytest.param("loop", "gpipe/segments=2", "always", marks=SLOW),
+    pytest.param("loop", "1f1b/segments=2", "always", marks=SLOW),
+    pytest.param("loop", "interleaved:2", "always", marks=SLOW),
+]
+
+
+@pytest.mark.parametrize("execution,schedule,recompute", CASES)
+def test_xla_step_matches_the_step_without_xla(execution, schedule, recompute):
+    # 48 rows / batch 16 = 3 Adam steps of M = 4 micro-batches.
+    x, y = helpers.regression_data(n=48)
+    ref = helpers.reference(helpers.mlp_layers(), (8,))
+    plain, h_plain = _train(ref, execution, schedule, recompute, False, x, y)
+    compiled, h_xla = _train(ref, execution, schedule, recompute, True, x, y)
+    assert helpers.max_abs_diff(helpers.stage_weights(plain),
+                                helpers.stage_weights(compiled)) < TOL
+    np.testing.assert_allclose(h_xla["loss"], h_plain["loss"], rtol=1e-5)
+    np.testing.assert_allclose(h_xla["mae"], h_plain["mae"], rtol=1e-5)
+    # And both are plain Keras' weights.
+    ref.compile(optimizer="adam", loss="mse")
+    ref.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert helpers.max_abs_diff(ref.get_weights(), helpers.stage_weights(compiled)) < TOL
+
+
+@SLOW
+def test_xla_unrolled_takes_a_ragged_last_batch():
+    # 44 rows / batch 16: the last batch has 12 rows (3 per micro-batch); the
+    # unrolled step slices with sizes XLA knows, so it compiles once more.
+    x, y = helpers.regression_data(n=44)
+    ref = helpers.reference(helpers.mlp_layers(), (8,))
+    plain, _ = _train(ref, "unrolled", "1f1b/segments=2", "except_last", False, x, y)
+    compiled, _ = _train(ref, "unrolled", "1f1b/segments=2", "except_last", True, x, y)
+    assert helpers.max_abs_diff(helpers.stage_weights(plain),
+                                helpers.stage_weights(compiled)) < TOL
+
+
+def _dataset(n, batch, drop_remainder):
+    x, y = helpers.regression_data(n=n)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=drop_remainder)
+
+
+# (x, batch_size, M) -> what static_batch_problem says (None: nothing).
+STATIC_BATCH = [
+    (lambda: _dataset(48, 16, True), None, 4, None),
+    (lambda: _dataset(48, 16, False), None, 4, "batch dimension is None"),
+    (lambda: _dataset(48, 6, True), None, 4, "6 rows, not a multiple of 4"),
+    (lambda: helpers.regression_data(n=48)[0], 16, 4, None),
+    (lambda: helpers.regression_data(n=44)[0], 16, 4, "last batch of 12 rows"),
+    (lambda: helpers.regression_data(n=48)[0], 6, 4, "batch_size=6 is not a multiple of 4"),
+    (lambda: helpers.regression_data(n=64)[0], None, 4, None),  # Keras' 32
+    (lambda: {"a": np.zeros((40, 2))}, None, 4, "last batch of 8 rows"),
+    (lambda: (row for row in range(3)), None, 4, None),  # a generator: unknown
+]
+
+
+@pytest.mark.parametrize("make_x,batch_size,m,expected", STATIC_BATCH)
+def test_static_batch_problem(make_x, batch_size, m, expected):
+    problem = xla.static_batch_problem(make_x(), batch_size, m)
+    if expected is None:
+        assert problem is None
+    else:
+        assert expected in problem
+
+
+def _one_device_model(execution, devices=("/CPU:0",), schedule="1f1b/segments=2"):
+    strategy = tfpipe.PipelineStrategy(devices=list(devices), num_microbatches=4,
+                                       schedule=schedule, execution=execution)
+    with strategy.scope():
+        return tfpipe.PipelinedModel.from_model(
+            helpers.reference(helpers.mlp_layers(), (8,)))
+
+
+def test_loop_under_xla_refuses_a_ragged_batch_with_the_fix():
+    model = _one_device_model("loop")
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    x, y = helpers.regression_data(n=44)
+    with pytest.raises(ValueError, match=r"fit: execution='loop' under jit_compile=True.*"
+                                         r"last batch of 12 rows.*drop_remainder=True"):
+        model.fit(x, y, batch_size=16, verbose=0)
+    with pytest.raises(ValueError, match=r"evaluate: .*batch dimension is None"):
+        model.evaluate(_dataset(48, 16, False), verbose=0)
+
+
+# devices, schedule -> accepted?
+JIT_PLACEMENTS = [
+    (("/CPU:0",), "1f1b/segments=2", True),
+    (("/CPU:0",), "interleaved:2", True),
+    (("/CPU:0", "/CPU:1"), "1f1b", False),
+]
+
+
+@pytest.mark.parametrize("devices,schedule,accepted", JIT_PLACEMENTS)
+def test_jit_compile_only_when_every_stage_is_on_one_device(devices, schedule, accepted):
+    model = _one_device_model("unrolled", devices, schedule)
+    if accepted:
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+        assert model.jit_compile is True
+    else:
+        with pytest.raises(ValueError, match=r"jit_compile=True.*devices \['/device:CPU:0', "
+                                             r"'/device:CPU:1'\].*Use jit_compile=False"):
+            model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    model.compile(optimizer="sgd", loss="mse")  # "auto" stays off
+    assert model.jit_compile is False
+    assert isinstance(model, keras.Model)
