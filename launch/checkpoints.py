@@ -373,16 +373,23 @@ class CheckpointStore:
 
     # -- restore ------------------------------------------------------------------
 
-    def restore(self, step, manifest, history_path):
+    def restore(self, step, manifest, history_path, strict=False):
         """Restores checkpoint `step` into the existing variables; returns its
-        `RunHistory`."""
+        `RunHistory`. `strict`: every saved value must find its variable and
+        every variable its value (a resharded resume: nothing may be left over)."""
         try:
-            self.checkpoint.read(self.path(step)).assert_existing_objects_matched()
+            status = self.checkpoint.read(self.path(step))
+            if strict:
+                status.assert_consumed()
+            else:
+                status.assert_existing_objects_matched()
         except (AssertionError, ValueError, tf.errors.OpError) as err:
             raise RunError(
                 f"--resume: {self.path(step)} is intact but does not fit this model "
-                f"({type(err).__name__}: {str(err).splitlines()[0]}). Was it written by "
-                f"another version of the model code? Use another --model_dir.") from None
+                f"({type(err).__name__}: {str(err).splitlines()[0][:300]}). Was it written "
+                f"by another version of the model code"
+                f"{' or another architecture (--depth, when not given, grows with --stages: pass the depth of the run you resume)' if strict else ''}"
+                f"? Use another --model_dir.") from None
         self.latest_step = step
         return RunHistory.from_json(history_path, manifest["history"])
 

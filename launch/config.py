@@ -66,6 +66,7 @@ class TrainConfig:
     model_dir: str = "/tmp/tfpipe_run"
     checkpoint_every: int = 100  # steps; 0: only at the end
     resume: bool = False
+    reshard: bool = False  # with resume: the checkpoint may come from another --stages
     learning_rate: float = 1e-3
     seed: int = 0
     verbose: int | None = None  # None: 1 (progress bar) on a tty, else 2 (a line per epoch)
@@ -266,8 +267,16 @@ def _loop_recomputes(s):
     return None
 
 
+def _reshard_resumes(s):
+    if s["reshard"] and not s["resume"]:
+        return ("--reshard changes the stage layout of a resumed run; it needs --resume "
+                "(a fresh run takes any --stages without it).")
+    return None
+
+
 # (settings it reads, check); each runs only when every single setting it reads is fine.
 CROSS_CHECKS = [
+    (("reshard", "resume"), _reshard_resumes),
     (("microbatches", "batch_size"), _microbatches_fit_the_batch),
     (("model", "dataset"), _model_takes_the_dataset),
     (("stages", "schedule", "microbatches"), _stages_fit_the_schedule),

@@ -239,6 +239,11 @@ flags.DEFINE_bool("resume", _DEFAULTS.resume,
                   "and loss curve as if never stopped; damaged checkpoints are skipped and "
                   "named). Starts afresh only if there is no checkpoint file at all; refuses "
                   "(exit code 1, nothing changed) if there are some but none is intact.")
+flags.DEFINE_bool("reshard", _DEFAULTS.reshard,
+                  "With --resume: accept a checkpoint written at another --stages "
+                  "(or --schedule, --microbatches, --execution). Variables and optimizer "
+                  "slots are matched by the model's layers, not by stage, so the run "
+                  "continues exactly; a checkpoint of another architecture is refused.")
 flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate,
                    "Adam learning rate. Training stops with exit code 3 at the first "
                    "non-finite loss; no non-finite checkpoint is ever saved.")

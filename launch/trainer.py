@@ -82,11 +82,13 @@ def _build_resnet(config, data):
 
 
 def _build_transformer(config, data):
-    stages = transformer_lm.transformer_stages(
-        config.stages, num_layers=_depth(config), vocab_size=data.num_classes,
-        seq_len=data.seq_len)
-    return tfpipe.PipelinedModel(stages, input_shape=(None, data.seq_len), input_dtype="int32",
-                                 name="pipelined_transformer_lm")
+    # Cut from the one-device model (not hand-made stages), so that its
+    # checkpoints load at any --stages (--reshard).
+    plain = transformer_lm.transformer_lm(
+        num_layers=_depth(config), vocab_size=data.num_classes, seq_len=data.seq_len)
+    return tfpipe.PipelinedModel.from_model(
+        plain, balance=transformer_lm.stage_balance(plain, config.stages),
+        name="pipelined_transformer_lm")
 
 
 def _build_unet(config, data):
@@ -142,6 +144,10 @@ def _stage_devices(config):
     return pool[:needed]
 
 
+# Run settings that only lay the model out on devices: --reshard may change them.
+LAYOUT_SETTINGS = ("stages",)
+
+
 def _run_settings(config, model_name, dataset, steps_per_epoch):
     """The settings a resumed run must share: they fix variables and data order."""
     return {
@@ -179,7 +185,7 @@ def _check_data(config, spec, dataset, data, x_train):
                 f"would leave micro-batches empty. Use more examples or fewer micro-batches.")
 
 
-def _resume_point(store, run, model_dir):
+def _resume_point(store, run, model_dir, reshard=False):
     """What `--resume` restores: (step, manifest) or (None, None); prints what it skips.
 
     Raises:
@@ -203,6 +209,8 @@ def _resume_point(store, run, model_dir):
     recorded = checkpoints.RunHistory.from_json(model_dir / checkpoints.HISTORY_FILE,
                                                 found.manifest["history"])
     diff = recorded.mismatches(run)
+    if reshard:  # the layout may change; what fixes the variables and data may not
+        diff = {k: v for k, v in diff.items() if k not in LAYOUT_SETTINGS}
     if diff:
         raise RunError(
             f"--resume: {model_dir} holds a run with other settings "
@@ -269,7 +277,7 @@ def train(config, callbacks=()):
     store = checkpoints.CheckpointStore(checkpoint_dir, checkpoint=None)
     resume_step = manifest = None
     if config.resume:
-        resume_step, manifest = _resume_point(store, run, model_dir)
+        resume_step, manifest = _resume_point(store, run, model_dir, config.reshard)
     else:
         _clear_outputs(model_dir)
 
@@ -294,7 +302,13 @@ def train(config, callbacks=()):
     history = checkpoints.RunHistory(history_path, run)
     if resume_step is not None:
         # Into the variables that exist already: values move, devices stay.
-        history = store.restore(resume_step, manifest, history_path)
+        history = store.restore(resume_step, manifest, history_path,
+                                strict=config.reshard)
+        if config.reshard:
+            previous = {k: history.run.get(k) for k in LAYOUT_SETTINGS}
+            history.run = run  # a later --resume continues at the new layout
+            print(f"--reshard: checkpoint written at {previous}, continuing at "
+                  f"{ {k: run[k] for k in LAYOUT_SETTINGS} }.")
         history.save()  # the history.json copy now agrees with the checkpoint
         print(f"Resuming from {store.path(resume_step)} (step {int(step)}).")
     start_step = int(step)

@@ -21,8 +21,10 @@ from tfpipe import config
 from tfpipe.config import PipelineConfig
 from tfpipe.strategy import PipelineStrategy
 from tfpipe.model import PipelinedModel
+from tfpipe import layout
+from tfpipe.layout import load_model, to_keras
 
 __version__ = "0.1.0"
 
 __all__ = ["PipelineStrategy", "PipelinedModel", "PipelineConfig", "config", "testing", "schedules", "profile", "partition",
-           "placement", "graph", "batchnorm", "__version__"]
+           "placement", "graph", "batchnorm", "layout", "load_model", "to_keras", "__version__"]

@@ -29,14 +29,15 @@ from tfpipe import _internal
 from tfpipe import batchnorm
 from tfpipe import config as config_lib
 from tfpipe import engine
+from tfpipe import layout
 from tfpipe import loss as loss_lib
 from tfpipe import microbatch
 from tfpipe import partition
 from tfpipe import placement
 from tfpipe import schedules
 from tfpipe import strategy as strategy_lib
-
 from tfpipe import xla
+
 
 def _is_shape(value):
     return isinstance(value, (tuple, list, tf.TensorShape)) and all(
@@ -136,7 +137,17 @@ class PipelinedModel(keras.Model):
         self._source = source
         if source is not None and hasattr(source.model, "output_names"):
             self.output_names = list(source.model.output_names)
-        self.stages = self._validate_stages(stages)
+        stages = self._validate_stages(stages)
+        # What Keras and tf.train.Checkpoint track (and list as `layers`): the
+        # user's model when `from_model` cut it, so weights files and
+        # checkpoints are keyed by its layers, whatever the stage layout
+        # (`tfpipe.layout`); hand-made stages otherwise. The stage list itself
+        # sits in an untracked holder.
+        self._stage_holder = _StageList(stages)
+        if source is None:
+            self._tracked_stages = stages
+        else:
+            self._user_model = source.model
         self._input_dtype = keras.backend.standardize_dtype(input_dtype)
         self._configure(config_lib.merge(strategy.given_settings, dict(
             num_microbatches=num_microbatches, schedule=schedule, recompute=recompute,
@@ -185,6 +196,23 @@ class PipelinedModel(keras.Model):
             batchnorm.check_layers(self.stages, config.batch_norm)
         # Steps traced for the old configuration must not be reused.
         self.train_function = self.test_function = self.predict_function = None
+
+    @property
+    def stages(self):
+        """The K stage layers; stage k runs on `stage_devices[k]`."""
+        return self._stage_holder.stages
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # What tf.train.Checkpoint saves (Keras 3 would list no children here:
+        # the variables would be saved only through an optimizer, and
+        # non-trainable ones not at all). A cut model has exactly its source
+        # model's children, so its checkpoints are keyed as the plain Keras
+        # model's are, whatever the stage layout.
+        if save_type != "checkpoint":
+            return super()._trackable_children(save_type, **kwargs)
+        if self._source is not None:
+            return self._source.model._trackable_children(save_type, **kwargs)  # pylint: disable=protected-access
+        return {f"stage_{k}": s for k, s in enumerate(self.stages)}
 
     @property
     def pipeline_config(self):
@@ -310,6 +338,7 @@ class PipelinedModel(keras.Model):
             else:
                 h = _map_shapes(lambda s: keras.KerasTensor(s, dtype=self._input_dtype),
                                 input_shape)
+            outputs = []  # each stage's symbolic output, for pipeline_summary
             for k, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
                 with tf.device(device):
                     try:
@@ -323,6 +352,7 @@ class PipelinedModel(keras.Model):
                             f"stage {k} accept that (or change the cut). Keras said: "
                             f"{err}") from err
                     h = h_next
+                    outputs.append(h)
             placement.place_variables(self.stages, self.stage_devices)
             for k, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
                 own = [v for v in stage.variables
@@ -331,6 +361,7 @@ class PipelinedModel(keras.Model):
                 if bad:
                     raise RuntimeError(f"tfpipe placement bug: stage {k} variables {bad[:3]}.")
             batchnorm.check_layers(self.stages, self.batch_norm)
+            self._stage_outputs = outputs
         if self._source is not None:
             # Its traced functions (if any) hold the variables' old storage.
             _internal.reset_compiled_functions(self._source.model)
@@ -348,7 +379,18 @@ class PipelinedModel(keras.Model):
         # Eagerly, so that each slot is created next to its variable; Keras
         # would otherwise build it inside the first traced step, on CPU:0.
         with tf.init_scope(), self._scope():
-            optimizer.build(self.pipeline.variables)
+            # In the order of `trainable_variables` (the user's model's when it
+            # was cut), so slot i is the same variable's at any stage layout.
+            optimizer.build(self._optimizer_variables())
+
+    def _optimizer_variables(self):
+        own = {id(v) for v in self.pipeline.variables}
+        ordered = [v for v in self.trainable_variables if id(v) in own]
+        if len(ordered) != len(own):
+            raise RuntimeError(
+                f"tfpipe bug: the pipeline trains {len(own)} variables but the model "
+                f"tracks {len(ordered)} of them.")
+        return ordered
 
     def compute_output_spec(self, inputs, training=None):
         if self._source is None:
@@ -397,6 +439,9 @@ class PipelinedModel(keras.Model):
 
     def _check_batch(self, batch_size, x, what):
         m = self.num_microbatches
+        if self.execution == "loop" and getattr(self, "_jit_compile", None) is True:
+            xla.check_static_batch(x, batch_size, m, what,
+                                   "execution='loop' under jit_compile=True")
         for size in (_keras_batch_size(batch_size, x), _dataset_batch_size(x)):
             if size is not None and size < m:
                 raise ValueError(
@@ -439,9 +484,6 @@ class PipelinedModel(keras.Model):
         if tf.distribute.has_strategy() and (
                 tf.distribute.get_strategy() is not self._distribute_strategy):
             raise ValueError(
-        if self.execution == "loop" and getattr(self, "_jit_compile", None) is True:
-            xla.check_static_batch(x, batch_size, m, what,
-                                   "execution='loop' under jit_compile=True")
                 f"{what}: called under {type(tf.distribute.get_strategy()).__name__}'s "
                 f"scope, but this model belongs to its own tfpipe.PipelineStrategy "
                 f"({self._distribute_strategy.num_stages} stages); call it outside any "
@@ -563,20 +605,28 @@ class PipelinedModel(keras.Model):
             f"{self.num_microbatches} micro-batch(es), schedule={self.schedule.name}, "
             f"recompute={self.recompute}, simulated bubble={sim.bubble_fraction:.1%}, "
             f"peak live activations per device={sim.peak_activations}",
-            f"{'stage':<7}{'name':<24}{'device':<46}{'layers':>7}{'params':>12}",
+            f"{'stage':<7}{'name':<24}{'device':<46}{'layers':>7}{'params':>12}  output",
         ]
+        outputs = getattr(self, "_stage_outputs", [None] * k)
         seen = set()
         for i, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
             n_layers = len(stage.layers) if hasattr(stage, "layers") else 1
             own = [v for v in stage.weights if id(v) not in seen]
             seen.update(id(v) for v in own)
             params = sum(int(np.prod(v.shape)) for v in own)
-            lines.append(f"{i:<7}{stage.name:<24}{device:<46}{n_layers:>7}{params:>12,}")
+            shape = "" if outputs[i] is None else _describe_shapes(outputs[i])
+            lines.append(f"{i:<7}{stage.name:<24}{device:<46}{n_layers:>7}{params:>12,}  "
+                         f"{shape}")
         if self.balance is not None:
             how = ("as given to from_model" if self.balance_method == "explicit"
                    else f"from_model, by {self.balance_method}")
             lines.append(f"Balance: {self.balance} units per stage ({how})")
         return "\n".join(lines)
+
+    def to_keras(self, device=None, include_optimizer=True):
+        """The plain Keras model with this pipeline's weights, on one device
+        (`tfpipe.layout.to_keras`)."""
+        return layout.to_keras(self, device=device, include_optimizer=include_optimizer)
 
     def summary(self, *args, print_fn=None, **kwargs):
         """Keras' summary, then the stage table (`pipeline_summary`)."""
@@ -639,6 +689,9 @@ class PipelinedModel(keras.Model):
         else:
             saved = config_lib.PipelineConfig.from_json(saved).settings()
         settings = config_lib.merge(saved, strategy.given_settings).settings()
+        request = layout.current_load_request()
+        if request is not None:  # tfpipe.load_model's overrides come last
+            settings.update({k: v for k, v in request.settings.items() if v is not None})
         name, input_dtype = config.pop("name", None), config.pop("input_dtype", "float32")
         with strategy.scope() if strategy_lib.current_pipeline_strategy() is None \
                 else contextlib.nullcontext():
@@ -648,9 +701,20 @@ class PipelinedModel(keras.Model):
                     source = keras.saving.deserialize_keras_object(
                         config["source_model"], custom_objects=custom_objects)
                 named = {} if name is None else {"name": name}
-                pipelined = cls.from_model(source, balance=config["balance"], **named, **settings)
-                pipelined._source.method = config.get("balance_method", "explicit")  # pylint: disable=protected-access
+                balance = layout.choose_balance(
+                    config["balance"], strategy, schedules.get(settings["schedule"]),
+                    where=f"The saved model {name!r}")
+                pipelined = cls.from_model(source, balance=balance, **named, **settings)
+                if balance == config["balance"]:
+                    pipelined._source.method = config.get("balance_method", "explicit")  # pylint: disable=protected-access
                 return pipelined
+            if request is not None and (request.balance is not None or len(
+                    config["stages"]) != strategy.max_stages(schedules.get(settings["schedule"]))):
+                raise ValueError(
+                    f"{request.path} holds {len(config['stages'])} hand-made stages, which "
+                    f"cannot be cut again. Load it under a strategy with as many stage "
+                    f"slots, or build the pipeline with PipelinedModel.from_model(model) "
+                    f"(re-cuttable) and save that.")
             stage_configs = config.pop("stages")
             schedule = settings["schedule"]
             try:
@@ -664,6 +728,19 @@ class PipelinedModel(keras.Model):
                     stages.append(keras.saving.deserialize_keras_object(
                         stage_config, custom_objects=custom_objects))
             return cls(stages=stages, name=name, input_dtype=input_dtype, **settings)
+
+
+class _StageList:
+    """Holds the stage list out of Keras' and TensorFlow's tracking."""
+
+    def __init__(self, stages):
+        self.stages = list(stages)
+
+
+def _describe_shapes(structure):
+    """'(None, 16)' of a tensor, '[(None, 4), (None, 4)]' of a nest."""
+    shapes = [tuple(t.shape) for t in tf.nest.flatten(structure) if t is not None]
+    return str(shapes[0]) if len(shapes) == 1 else str(shapes)
 
 
 def _describe(structure):

@@ -314,6 +314,24 @@ REFUSALS = [
      lambda ckpt: (f"--resume: {ckpt.parent} holds a run with other settings (batch_size: "
                    f"32 then, 16 now). Use the same settings, or another --model_dir without "
                    f"--resume.")),
+    ("other_stages_without_reshard", None, {"stages": 4},
+     lambda ckpt: (f"--resume: {ckpt.parent} holds a run with other settings (stages: 2 "
+                   f"then, 4 now). Use the same settings, or another --model_dir without "
+                   f"--resume.")),
+    ("reshard_to_another_depth", None, {"stages": 4, "depth": 6, "reshard": True},
+     lambda ckpt: (f"--resume: {ckpt.parent} holds a run with other settings (depth: 0 "
+                   f"then, 6 now). Use the same settings, or another --model_dir without "
+                   f"--resume.")),
+    # 8 stages (2 per device) make the MLP deeper: its variables no longer fit.
+    ("reshard_to_another_architecture", None,
+     {"stages": 8, "schedule": "interleaved", "microbatches": 4, "reshard": True},
+     lambda ckpt: (f"--resume: {ckpt}/ckpt-6 is intact but does not fit this model "
+                   f"(ValueError: Received incompatible tensor with shape (128, 10) when "
+                   f"attempting to restore variable with shape (128, 128) and name "
+                   f"digits_mlp/dense_4/kernel:0.). Was it written by another version of the "
+                   f"model code or another architecture (--depth, when not given, grows with "
+                   f"--stages: pass the depth of the run you resume)? Use another "
+                   f"--model_dir.")),
     ("other_seed_after_fallback", _truncate(DATA), {"seed": 1},
      lambda ckpt: (f"--resume: {ckpt.parent} holds a run with other settings (seed: 0 then, "
                    f"1 now). Use the same settings, or another --model_dir without "
@@ -336,6 +354,32 @@ def test_resume_refuses_and_changes_nothing(tmp_path, cut_run, damage, changes, 
     assert str(err.value) == message(ckpt).format(half6=size6 // 2, size6=size6)
     assert err.value.exit_code == 1
     assert _tree(model_dir) == before
+
+
+@pytest.mark.parametrize("stages, schedule", [(1, "gpipe"), (4, "1f1b")])
+def test_reshard_resumes_at_another_stage_count_like_the_uninterrupted_run(
+        tmp_path, capsys, reference, cut_run, stages, schedule):
+    """Written at 2 stages, resumed at 1 or 4 (--reshard): the same run."""
+    model_dir = tmp_path / "run"
+    shutil.copytree(cut_run, model_dir)
+    result = train_lib.train(_config(model_dir, resume=True, reshard=True, stages=stages,
+                                     schedule=schedule))
+    out = capsys.readouterr().out
+    assert f"Resuming from {model_dir / 'checkpoints'}/ckpt-6 (step 6)." in out
+    assert (f"--reshard: checkpoint written at {{'stages': 2}}, continuing at "
+            f"{{'stages': {stages}}}.") in out
+    assert len(result["model"].stages) == stages
+    for ours, theirs in zip(_weights(result["model"]), reference["weights"], strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    history = _manifest(model_dir, 10)["history"]
+    for ours, theirs in zip(history["steps"], reference["manifest"]["history"]["steps"],
+                            strict=True):
+        assert ours == pytest.approx(theirs, rel=1e-5)
+    assert result["history"].keys() == reference["history"].keys()
+    for key, values in reference["history"].items():
+        assert result["history"][key] == pytest.approx(values, rel=1e-5), key
+    # The checkpoints now belong to the new layout: a plain --resume at it works.
+    assert history["run"]["stages"] == stages
 
 
 @pytest.mark.parametrize("state_file, expected", [
