@@ -21,6 +21,7 @@ import tensorflow as tf
 from tfpipe import _internal
 from tfpipe import batchnorm
 from tfpipe import boundary
+from tfpipe import devices as devices_lib
 from tfpipe import gradients as gradients_lib
 from tfpipe import loop
 from tfpipe import recompute as recompute_lib
@@ -38,8 +39,9 @@ class Pipeline:
     Args:
       stages: list of K built Keras layers; stage k maps the output structure
         of stage k-1 to its own (any nest of tensors, batch on axis 0).
-      devices: list of D device names (as `tfpipe.placement.canonical_device`);
-        stage k runs on `devices[schedule.stage_device(k, D)]`.
+      devices: list of D devices: names (as `tfpipe.placement.canonical_device`)
+        or `tfpipe.devices.StageDevice`s (a TPU logical core); stage k runs on
+        `devices[schedule.stage_device(k, D)]`, placed by `tfpipe.devices.scope`.
       config: the model's `tfpipe.config.PipelineConfig` (schedule, recompute,
         BatchNorm mode and M are read from it).
       enforce_order: add control dependencies so each device runs its actions
@@ -71,6 +73,7 @@ class Pipeline:
         # Counts stage calls made while tracing, per stage; tests read it to
         # check that recompute really re-runs stages.
         self.trace_calls = [0] * len(self.stages)
+        self._home_stage = {}  # id(variable) -> its home stage (variable_table)
 
     @property
     def num_stages(self):
@@ -113,6 +116,7 @@ class Pipeline:
                     mine.append(i)
                     users[i].append(k)
             per_stage.append(mine)
+        self._home_stage = {id(v): u[0] for v, u in zip(unique, users)}
         return unique, per_stage, users
 
     # -- stage calls ---------------------------------------------------------
@@ -172,8 +176,16 @@ class Pipeline:
         """
         return self.backend.train(self, batch, split, scale_loss, timeline)
 
+    def home_scope(self, variable):
+        """The placement scope of `variable`'s home stage (the first that uses
+        it; its storage is there), where its gradient is summed and scaled."""
+        k = self._home_stage.get(id(variable))
+        if k is None:  # not a stage's trainable variable: where it is stored
+            return tf.device(variable.value.device)
+        return devices_lib.scope(self.devices[self.stage_device[k]])
+
     def on_home(self, variable, fn, *args):
-        with tf.device(variable.value.device):
+        with self.home_scope(variable):
             return fn(*args)
 
     def add_regularization(self, variables, grads, scale):
@@ -184,7 +196,7 @@ class Pipeline:
             regularizer = getattr(v, "regularizer", None)
             if regularizer is None:
                 continue
-            with tf.device(v.value.device):
+            with self.home_scope(v):
                 with tf.GradientTape() as tape:
                     value = tf.cast(regularizer(v), tf.float32)
                     target = value * scale
@@ -211,6 +223,6 @@ class Pipeline:
                     f"{batch.num_microbatches} rows (drop_remainder=True).")))
         for k, sites in enumerate(sites_per_stage):
             if recorder.layers[k] and sites:
-                with tf.device(self.devices[self.stage_device[k]]):
+                with devices_lib.scope(self.devices[self.stage_device[k]]):
                     ops += batchnorm.commit(before, sites)
         return ops

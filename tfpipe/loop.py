@@ -45,6 +45,7 @@ their rows (`_GradientSlot`), as in the unrolled step.
 import tensorflow as tf
 
 from tfpipe import boundary
+from tfpipe import devices
 from tfpipe import gradients as gradients_lib
 from tfpipe import loss as loss_lib
 from tfpipe import runtime
@@ -422,7 +423,7 @@ class LoopBackend:
             graph = tf.compat.v1.get_default_graph()
             first_op = len(graph.get_operations())
             timed = "times" in st
-            with tf.device(pipeline.devices[d]):
+            with devices.scope(pipeline.devices[d]):
                 # Every op of the action (variable reads and the replay's seed
                 # assignments included) waits for the device's previous action.
                 with tf.control_dependencies([st["token"][d]]):
@@ -444,7 +445,7 @@ class LoopBackend:
                 fns = [lambda st=st, d=d: _select(st, owned[d])]  # idle
                 for kind, k in branches[d]:
                     fns.append(lambda st=st, d=d, k=k, m=m, kind=kind: act(st, d, kind, k, m))
-                with tf.device(pipeline.devices[d]):
+                with devices.scope(pipeline.devices[d]):
                     result = tf.switch_case(codes[t, d], fns)
                 _assign(new, owned[d], result)
             return t + 1, new

@@ -46,6 +46,7 @@ import tensorflow as tf
 from tfpipe import _internal
 from tfpipe import batchnorm
 from tfpipe import boundary
+from tfpipe import devices
 from tfpipe import gradients as gradients_lib
 from tfpipe import loss as loss_lib
 
@@ -287,7 +288,7 @@ class Step:
         reg_total = pipeline.add_regularization(variables, grads, self.scale)
         bn_ops = pipeline.commit_batch_norm(self.recorder, self.bn_before, store.bn_sites(),
                                             self.batch)
-        with tf.device(pipeline.devices[pipeline.stage_device[-1]]):
+        with devices.scope(pipeline.devices[pipeline.stage_device[-1]]):
             data_loss, term_values = self.plan.values(store.numerator_sums(), divisor_sums)
             loss = tf.add_n([data_loss] + [t for t in store.extra_terms() + [reg_total]
                                            if t is not None])
@@ -301,7 +302,7 @@ class Step:
         """(y_pred, call losses weighted per micro-batch or None) of a
         forward-only step."""
         pipeline = self.pipeline
-        with tf.device(pipeline.devices[pipeline.stage_device[-1]]):
+        with devices.scope(pipeline.devices[pipeline.stage_device[-1]]):
             y_pred = store.merged_outputs()
         call_loss = (sum_or_none(store.extra_terms())
                      if any(i.call_losses for i in self.interfaces) else None)

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from tfpipe import _internal
 from tfpipe import batchnorm
+from tfpipe import devices
 from tfpipe import gradients as gradients_lib
 from tfpipe import recompute as recompute_lib
 from tfpipe import runtime
@@ -185,7 +186,7 @@ class UnrolledBackend:
             # (Listing the graph's ops costs O(graph); only for serialize_ops.)
             first_op = len(graph.get_operations()) if pipeline.serialize_ops else None
             store.start = None
-            with tf.device(pipeline.devices[d]):
+            with devices.scope(pipeline.devices[d]):
                 produced = step.run(store, d, action)
                 end = None
                 if timeline is not None:

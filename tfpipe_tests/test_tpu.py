@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfpipe import devices
 from tfpipe import tpu
 
 
@@ -107,3 +108,44 @@ def test_stage_cores_errors(make_assignment, num_stages, message):
 def test_no_strategy_here_is_a_tpu_strategy():
     assert not tpu.is_tpu_strategy(tf.distribute.get_strategy())
     assert not tpu.is_tpu_strategy(tf.distribute.OneDeviceStrategy("/CPU:0"))
+
+
+# -- the stage-device abstraction, on logical CPUs ---------------------------
+
+# device -> where a variable and an op made in its scope land
+SCOPES = [
+    ("/device:CPU:1", "CPU:1"),
+    (devices.StageDevice("/device:CPU:2"), "CPU:2"),
+    ("/job:localhost/replica:0/task:0/device:CPU:3", "CPU:3"),
+]
+
+
+@pytest.mark.parametrize("device,expected", SCOPES)
+def test_stage_device_scope_places_variables_and_ops(device, expected):
+    with devices.scope(device):
+        v = tf.Variable(1.0)
+        t = v * 2.0
+    assert v.device.endswith(expected) and t.device.endswith(expected)
+    assert devices.name(device).endswith(expected)
+
+
+# bad input -> error text
+DEVICE_ERRORS = [
+    (lambda: devices.scope(3), r"device name \(str\) or a tfpipe.devices.StageDevice, got int"),
+    (lambda: devices.StageDevice(""), r"non-empty device name, got ''"),
+    (lambda: devices.LogicalCore(None, -1), r"int >= 0, got -1"),
+    (lambda: devices.LogicalCore(None, True), r"int >= 0, got True"),
+]
+
+
+@pytest.mark.parametrize("make,message", DEVICE_ERRORS)
+def test_stage_device_errors(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_logical_core_is_named_by_its_index_not_a_tpu_device_string():
+    strategy = tf.distribute.get_strategy()
+    core = devices.LogicalCore(strategy, 3)
+    assert core.name == "TPU logical core 3" and "/device:TPU" not in core.name
+    assert core == devices.LogicalCore(strategy, 3) != devices.LogicalCore(strategy, 2)

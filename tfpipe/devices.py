@@ -1,0 +1,95 @@
+"""Where a stage runs: one object for every kind of device.
+
+Every place tfpipe puts a stage's variables or ops (building the stages, each
+action of a step in both executions, the loss, the deferred BatchNorm update)
+enters `scope(device)`. A device is either
+
+  a device name (str): a CPU, a GPU or a remote task's device, as
+    `tfpipe.placement.canonical_device` resolved it; the scope is
+    `tf.device(name)`;
+  a `StageDevice`: an object with `.name` and `.scope()`. `LogicalCore(strategy,
+    k)` is logical core k of each replica of a `tf.distribute.TPUStrategy`;
+    its scope is `strategy.extended.experimental_logical_device(k)`, which
+    places variables (a TPU-mirrored variable over the replicas, on core k)
+    and, inside `strategy.run`, ops (`tf.device(tpu.core(k))`). Logical core k
+    is not `/device:TPU:k` (see `tfpipe.tpu.stage_cores`), so tfpipe never
+    writes TPU device strings.
+
+`LogicalCore` has not run on TPU hardware (there is none here); on CPU it is
+only constructed and named.
+"""
+
+import tensorflow as tf
+
+
+class StageDevice:
+    """A device a stage runs on. Subclasses set `name` and define `scope()`.
+
+    Args:
+      name: a device name string (`tf.device` takes it).
+    """
+
+    def __init__(self, name):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"A StageDevice needs a non-empty device name, got {name!r}.")
+        self.name = name
+
+    def scope(self):
+        """A context manager that places variables and ops on this device."""
+        return tf.device(self.name)
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other.name == self.name
+
+    def __hash__(self):
+        return hash((type(self).__name__, self.name))
+
+    def __str__(self):
+        return self.name
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class LogicalCore(StageDevice):
+    """Logical core `index` of every replica of a `tf.distribute.TPUStrategy`.
+
+    Args:
+      strategy: the TPUStrategy (its device assignment has at least
+        `index + 1` cores per replica).
+      index: the logical core, 0-based.
+    """
+
+    def __init__(self, strategy, index):
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"A logical core index must be an int >= 0, got {index!r}.")
+        super().__init__(f"TPU logical core {index}")
+        self.strategy, self.index = strategy, index
+
+    def scope(self):
+        # Untested on hardware: TensorFlow's own API for model parallelism on
+        # TPU; it raises a ValueError for an index past the replica's cores.
+        return self.strategy.extended.experimental_logical_device(self.index)
+
+    def __eq__(self, other):
+        return (isinstance(other, LogicalCore) and other.index == self.index
+                and other.strategy is self.strategy)
+
+    def __hash__(self):
+        return hash(("LogicalCore", id(self.strategy), self.index))
+
+
+def scope(device):
+    """The placement scope of `device` (a name or a `StageDevice`)."""
+    if isinstance(device, StageDevice):
+        return device.scope()
+    if isinstance(device, str):
+        return tf.device(device)
+    raise ValueError(
+        f"A stage device must be a device name (str) or a tfpipe.devices.StageDevice, "
+        f"got {type(device).__name__}: {device!r}.")
+
+
+def name(device):
+    """The printable name of `device` (a name or a `StageDevice`)."""
+    return device.name if isinstance(device, StageDevice) else device
