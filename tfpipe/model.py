@@ -28,6 +28,7 @@ import tensorflow as tf
 from tfpipe import _internal
 from tfpipe import batchnorm
 from tfpipe import config as config_lib
+from tfpipe import devices as devices_lib
 from tfpipe import engine
 from tfpipe import layout
 from tfpipe import loss as loss_lib
@@ -340,7 +341,7 @@ class PipelinedModel(keras.Model):
                                 input_shape)
             outputs = []  # each stage's symbolic output, for pipeline_summary
             for k, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
-                with tf.device(device):
+                with devices_lib.scope(device):
                     try:
                         h_next = stage(h, training=False)
                     except (ValueError, TypeError) as err:
@@ -415,7 +416,7 @@ class PipelinedModel(keras.Model):
             lambda t: tf.convert_to_tensor(t) if isinstance(t, np.ndarray) else t, inputs)
         h = inputs if self._source is None else self._source.graph.standardize_inputs(inputs)
         for stage, device in zip(self.stages, self.stage_devices):
-            with tf.device(device):
+            with devices_lib.scope(device):
                 h = stage(h, training=training)
         return h
 
@@ -579,7 +580,7 @@ class PipelinedModel(keras.Model):
         batch = self._batch(data)
         split = loss_lib.LossSplit(self._compile_loss)
         y_pred, call_loss = self.pipeline.forward(batch, training=False)
-        with tf.device(self.stage_devices[-1]):
+        with devices_lib.scope(self.stage_devices[-1]):
             data_loss, term_values = split.batch_values(batch.y, y_pred, batch.sample_weight)
             terms = [data_loss] + [t for t in (call_loss, self._regularization_loss())
                                    if t is not None]
@@ -724,7 +725,7 @@ class PipelinedModel(keras.Model):
             stages = []
             for k, stage_config in enumerate(stage_configs):
                 # A deserialised Sequential builds itself: do it on its device.
-                with tf.device(devices[k]) if k < len(devices) else contextlib.nullcontext():
+                with devices_lib.scope(devices[k]) if k < len(devices) else contextlib.nullcontext():
                     stages.append(keras.saving.deserialize_keras_object(
                         stage_config, custom_objects=custom_objects))
             return cls(stages=stages, name=name, input_dtype=input_dtype, **settings)
