@@ -18,6 +18,9 @@ from tfpipe import partition
 from tfpipe import batchnorm
 from tfpipe import placement
 from tfpipe import config
+from tfpipe import devices
+from tfpipe import tpu
+from tfpipe import xla
 from tfpipe.config import PipelineConfig
 from tfpipe.strategy import PipelineStrategy
 from tfpipe.model import PipelinedModel
@@ -27,4 +30,5 @@ from tfpipe.layout import load_model, to_keras
 __version__ = "0.1.0"
 
 __all__ = ["PipelineStrategy", "PipelinedModel", "PipelineConfig", "config", "testing", "schedules", "profile", "partition",
-           "placement", "graph", "batchnorm", "layout", "load_model", "to_keras", "__version__"]
+           "placement", "graph", "batchnorm", "layout", "load_model", "to_keras", "devices",
+           "tpu", "xla", "__version__"]
