@@ -116,6 +116,8 @@ def measure_memory(layers, width, batch, num_microbatches=1, recompute="never",
     import tfpipe  # pylint: disable=import-outside-toplevel
     keras.utils.set_random_seed(seed)
     tf.constant(0.0).numpy()  # the runtime is up before anything is counted
+    _trim()
+    runtime_mib = common.rss_mib()  # before the model: what building it adds is built - this
     if layers % num_devices:
         raise ValueError(f"{layers} layers do not cut into {num_devices} equal stages.")
     per_device = layers // num_devices
@@ -145,6 +147,7 @@ def measure_memory(layers, width, batch, num_microbatches=1, recompute="never",
                    "model": f"{IN_WIDTH} -> {layers} x Dense({width}, relu) -> "
                             f"Dense({OUT_WIDTH})"},
         "params": model.count_params(),
+        "runtime_mib": runtime_mib,
         "built_mib": common.rss_mib(),
     }
     if step:

@@ -144,6 +144,16 @@ def _stage_devices(config):
     return pool[:needed]
 
 
+def pipeline_strategy(config, devices=None):
+    """The run's `tfpipe.PipelineStrategy`: its devices (default
+    `_stage_devices(config)`) and pipeline settings. `launch.plan` uses it too."""
+    return tfpipe.PipelineStrategy(
+        devices=_stage_devices(config) if devices is None else devices,
+        num_microbatches=config.microbatches, schedule=config.schedule,
+        execution=config.execution,
+        recompute=None if config.recompute == "auto" else config.recompute)
+
+
 # Run settings that only lay the model out on devices: --reshard may change them.
 LAYOUT_SETTINGS = ("stages",)
 
@@ -281,11 +291,7 @@ def train(config, callbacks=()):
     else:
         _clear_outputs(model_dir)
 
-    strategy = tfpipe.PipelineStrategy(
-        devices=devices, num_microbatches=config.microbatches,
-        schedule=config.schedule, execution=config.execution,
-        recompute=None if config.recompute == "auto" else config.recompute,
-    )
+    strategy = pipeline_strategy(config, devices)
     with strategy.scope():
         model = spec.build(config, data)
         # Compiling a built PipelinedModel builds the optimizer there and then:
@@ -319,6 +325,8 @@ def train(config, callbacks=()):
     verbose = config.verbose
     if verbose is None:
         verbose = 1 if sys.stdout.isatty() else 2
+    if verbose:  # what this configuration costs, before the first step (tfpipe.plan)
+        print(tfpipe.plan(model, config.batch_size, config.microbatches, repeats=1), flush=True)
     timer = StepTimer()
     board = checkpoints.TensorBoardLog(model_dir / checkpoints.TENSORBOARD_DIR)
     board.rebuild(history)  # a resumed run's logs: exactly its restored steps

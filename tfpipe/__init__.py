@@ -24,6 +24,7 @@ from tfpipe import xla
 from tfpipe.config import PipelineConfig
 from tfpipe.strategy import PipelineStrategy
 from tfpipe.model import PipelinedModel
+from tfpipe.planner import Plan, plan
 from tfpipe import layout
 from tfpipe.layout import load_model, to_keras
 
@@ -31,4 +32,4 @@ __version__ = "0.1.0"
 
 __all__ = ["PipelineStrategy", "PipelinedModel", "PipelineConfig", "config", "testing", "schedules", "profile", "partition",
            "placement", "graph", "batchnorm", "layout", "load_model", "to_keras", "devices",
-           "tpu", "xla", "__version__"]
+           "tpu", "xla", "plan", "Plan", "__version__"]
