@@ -199,6 +199,12 @@ def _check_verbose(value):
     return None
 
 
+def _check_bool(value):
+    if not isinstance(value, bool):
+        return f"must be True or False, got {value!r}"
+    return None
+
+
 FIELD_CHECKS = {
     "model": _check_model,
     "depth": _int_at_least(0, "0: 4"),
@@ -215,6 +221,8 @@ FIELD_CHECKS = {
     "logical_cpus": _int_at_least(1, "logical CPU devices"),
     "model_dir": _check_model_dir,
     "checkpoint_every": _int_at_least(0, "steps; 0: only at the end"),
+    "resume": _check_bool,
+    "reshard": _check_bool,
     "learning_rate": _check_learning_rate,
     "seed": _check_seed,
     "verbose": _check_verbose,

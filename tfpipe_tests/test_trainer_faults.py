@@ -601,6 +601,9 @@ BAD_FLAGS = [
     ("--execution=loop --recompute=never",
      "flags execution=loop, recompute=never: --execution=loop keeps only the stage inputs, "
      "so it needs --recompute=always (or auto); got --recompute=never."),
+    ("--reshard --stages=2", "flags reshard=True, resume=False: --reshard changes the stage "
+                             "layout of a resumed run; it needs --resume (a fresh run takes "
+                             "any --stages without it)."),
     ("--epochs=2 extra", "launch.train: error: unexpected arguments ['extra'] (flags take the "
                          "form --name=value; --helpfull lists them)"),
 ]
