@@ -35,29 +35,34 @@ from launch.config import RunError, TrainConfig  # noqa: E402
 _DEFAULTS = TrainConfig()
 FLAGS = flags.FLAGS
 
-flags.DEFINE_enum("model", _DEFAULTS.model, sorted(config_lib.MODEL_DATA), "Model to plan.")
-flags.DEFINE_integer("depth", _DEFAULTS.depth, "As launch.train's --depth.")
-flags.DEFINE_string("dataset", _DEFAULTS.dataset,
-                    "As launch.train's --dataset: it fixes the model's input and output "
-                    "shapes.")
-flags.DEFINE_integer("stages", _DEFAULTS.stages, "Pipeline stages K.")
-flags.DEFINE_integer("microbatches", _DEFAULTS.microbatches, "Micro-batches M per step.")
-flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Rows per training step.")
-flags.DEFINE_string("schedule", _DEFAULTS.schedule,
-                    "gpipe, 1f1b, interleaved[:v], zbh1, zbv or NAME/segments=N.")
-flags.DEFINE_enum("recompute", _DEFAULTS.recompute, list(config_lib.RECOMPUTE_MODES),
-                  "always, except_last, never, or auto (tfpipe's default).")
-flags.DEFINE_enum("execution", _DEFAULTS.execution, list(config_lib.EXECUTIONS),
-                  "unrolled or loop (loop recomputes always).")
-flags.DEFINE_integer("logical_cpus", _DEFAULTS.logical_cpus,
-                     "Logical CPU devices when there is no GPU.")
-flags.DEFINE_string("optimizer", "adam",
-                    "Optimizer whose state is counted: adam, sgd, sgd+momentum, rmsprop, ...")
-flags.DEFINE_float("device_memory_mib", 0.0,
-                   "Memory of each device in MiB; the recommendation then only takes "
-                   "configurations that fit (0: no limit).")
-flags.DEFINE_integer("repeats", 2, "Timed runs per unit (the fastest counts).")
-flags.DEFINE_bool("json", False, "Print plan.to_dict() as JSON instead of the table.")
+
+def define_flags():
+    """Defines the flags; only when run as a program, so that importing
+    `plan_run` beside `launch.train` (which defines the same names) is fine."""
+    flags.DEFINE_enum("model", _DEFAULTS.model, sorted(config_lib.MODEL_DATA), "Model to plan.")
+    flags.DEFINE_integer("depth", _DEFAULTS.depth, "As launch.train's --depth.")
+    flags.DEFINE_string("dataset", _DEFAULTS.dataset,
+                        "As launch.train's --dataset: it fixes the model's input and output "
+                        "shapes.")
+    flags.DEFINE_integer("stages", _DEFAULTS.stages, "Pipeline stages K.")
+    flags.DEFINE_integer("microbatches", _DEFAULTS.microbatches, "Micro-batches M per step.")
+    flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Rows per training step.")
+    flags.DEFINE_string("schedule", _DEFAULTS.schedule,
+                        "gpipe, 1f1b, interleaved[:v], zbh1, zbv or NAME/segments=N.")
+    flags.DEFINE_enum("recompute", _DEFAULTS.recompute, list(config_lib.RECOMPUTE_MODES),
+                      "always, except_last, never, or auto (tfpipe's default).")
+    flags.DEFINE_enum("execution", _DEFAULTS.execution, list(config_lib.EXECUTIONS),
+                      "unrolled or loop (loop recomputes always).")
+    flags.DEFINE_integer("logical_cpus", _DEFAULTS.logical_cpus,
+                         "Logical CPU devices when there is no GPU.")
+    flags.DEFINE_string("optimizer", "adam",
+                        "Optimizer whose state is counted: adam, sgd, sgd+momentum, rmsprop, ...")
+    flags.DEFINE_float("device_memory_mib", 0.0,
+                       "Memory of each device in MiB; the recommendation then only takes "
+                       "configurations that fit (0: no limit).")
+    flags.DEFINE_integer("repeats", 2, "Timed runs per unit (the fastest counts).")
+    flags.DEFINE_bool("json", False, "Print plan.to_dict() as JSON instead of the table.")
+
 
 
 def config_from_flags():
@@ -117,4 +122,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
