@@ -672,7 +672,10 @@ class PipelinedModel(keras.Model):
         # Keras skips this for models that override compile(); ours only adds
         # checks, so restoring the saved compile arguments is safe.
         config = keras.saving.deserialize_keras_object(config)
-        config.pop("jit_compile", None)
+        # XLA was accepted for the saved layout (all stages on one device); a
+        # model loaded onto several devices runs without it, as compile says.
+        if config.get("jit_compile") is True and len(set(self.pipeline_devices)) > 1:
+            config["jit_compile"] = False
         self.compile(**config)
 
     @classmethod
