@@ -27,9 +27,11 @@ from tfpipe.model import PipelinedModel
 from tfpipe.planner import Plan, plan
 from tfpipe import layout
 from tfpipe.layout import load_model, to_keras
+from tfpipe import cluster
+from tfpipe.watchdog import StepWatchdog
 
 __version__ = "0.1.0"
 
 __all__ = ["PipelineStrategy", "PipelinedModel", "PipelineConfig", "config", "testing", "schedules", "profile", "partition",
            "placement", "graph", "batchnorm", "layout", "load_model", "to_keras", "devices",
-           "tpu", "xla", "plan", "Plan", "__version__"]
+           "tpu", "xla", "plan", "Plan", "cluster", "StepWatchdog", "__version__"]

@@ -18,8 +18,42 @@ def available_devices(device_type=None):
 
 
 def default_devices():
-    """All logical GPUs if there are any, else all logical CPUs."""
+    """All logical GPUs if there are any, else all logical CPUs (of this process).
+
+    Raises:
+      ValueError: this process is a client connected to a cluster
+        (`tfpipe.cluster.connect`): its device list starts with its own CPU,
+        so the default would put stage 0 on the client. Which task holds which
+        stage is the caller's to say.
+    """
+    remote = [d for d in available_devices() if _full_spec(d)[0] != _LOCAL_JOB]
+    if remote:
+        raise ValueError(
+            f"PipelineStrategy() on a connected client: the default devices would put "
+            f"stage 0 on this client's own CPU, not on a worker (remote devices: "
+            f"{remote}). Name the stage devices, e.g. PipelineStrategy(devices="
+            f"tfpipe.cluster.worker_devices()) for stage k on /job:worker/task:k.")
     return available_devices("GPU") or available_devices("CPU")
+
+
+# A device name without a job means this process's own device: TensorFlow
+# lists those without job/replica/task, and places them as
+# /job:localhost/replica:0/task:0 (also on a client connected to a cluster).
+_LOCAL_JOB = "localhost"
+
+
+def _full_spec(name):
+    """(job, replica, task, device type, index) of a device name, a missing job
+    meaning this process (`/job:localhost/replica:0/task:0`)."""
+    spec = tf.DeviceSpec.from_string(name)
+    return (spec.job or _LOCAL_JOB, spec.replica or 0, spec.task or 0,
+            (spec.device_type or "").upper(), spec.device_index or 0)
+
+
+def same_device(a, b):
+    """Whether device names `a` and `b` name the same device: job, replica,
+    task, type and index (a name without a job is this process's device)."""
+    return _full_spec(a) == _full_spec(b)
 
 
 def canonical_device(name):
@@ -40,6 +74,7 @@ def canonical_device(name):
     except ValueError as err:
         raise ValueError(f"Device {name!r} is not a valid device string: {err}") from None
     known = available_devices()
+    matches = []
     for full in known:
         have = tf.DeviceSpec.from_string(full)
         if (
@@ -47,12 +82,21 @@ def canonical_device(name):
             and spec.device_type.upper() == have.device_type
             and (spec.device_index or 0) == have.device_index
             # Local devices are listed without job/replica/task; the process
-            # itself is /job:localhost/replica:0/task:0.
-            and spec.job in (None, have.job or "localhost")
+            # itself is /job:localhost/replica:0/task:0, and so is a name
+            # without a job. A missing replica or task matches any: several
+            # matches are refused below rather than read as task 0.
+            and (spec.job or _LOCAL_JOB) == (have.job or _LOCAL_JOB)
             and spec.replica in (None, have.replica or 0)
             and spec.task in (None, have.task or 0)
         ):
-            return full
+            matches.append(full)
+    if len(matches) > 1:
+        raise ValueError(
+            f"Device {name!r} is ambiguous: it names no task, and the cluster has "
+            f"{len(matches)} tasks with that device: {matches}. Use the full name with "
+            f"the task, e.g. {matches[0]!r} (TensorFlow would silently take task 0).")
+    if matches:
+        return matches[0]
     raise ValueError(
         f"Device {name!r} does not exist. Available logical devices: {known}. "
         f"To get more logical CPUs on one machine call "
@@ -67,12 +111,11 @@ def device_of(variable):
 
 
 def misplaced_variables(variables, device):
-    """Paths of those `variables` not stored on `device` (type and index)."""
-    want = tf.DeviceSpec.from_string(device)
+    """Paths of those `variables` not stored on `device` (job, replica, task,
+    type and index: a stage-1 variable on another task's CPU:0 is misplaced)."""
     bad = []
     for v in variables:
-        have = tf.DeviceSpec.from_string(device_of(v))
-        if (have.device_type, have.device_index) != (want.device_type, want.device_index):
+        if not same_device(device_of(v), device):
             bad.append(f"{getattr(v, 'path', v.name)} on {device_of(v)}")
     return bad
 
@@ -91,12 +134,10 @@ def place_variables(stages, stage_devices):
     """
     homes = {}
     for k, (stage, device) in enumerate(zip(stages, stage_devices)):
-        want = tf.DeviceSpec.from_string(device)
         for v in stage.variables:
             if id(v) in homes:
                 continue
             homes[id(v)] = k
-            have = tf.DeviceSpec.from_string(device_of(v))
-            if (have.device_type, have.device_index) != (want.device_type, want.device_index):
+            if not same_device(device_of(v), device):
                 _internal.move_variable(v, device)
     return homes
