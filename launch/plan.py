@@ -75,8 +75,10 @@ def plan_run(config, optimizer="adam", device_memory_bytes=None, repeats=2):
     """The `tfpipe.Plan` of the pipeline `launch.train` would build for `config`."""
     config_lib.check(config)
     from launch import data as data_lib  # pylint: disable=import-outside-toplevel
-    from launch import trainer  # pylint: disable=import-outside-toplevel  (imports TF)
-    import tfpipe  # pylint: disable=import-outside-toplevel
+    from launch.quiet import quiet_start_up  # pylint: disable=import-outside-toplevel
+    with quiet_start_up():
+        from launch import trainer  # pylint: disable=import-outside-toplevel  (imports TF)
+        import tfpipe  # pylint: disable=import-outside-toplevel
 
     tfpipe.testing.use_logical_cpus(config.logical_cpus)
     spec = trainer.MODELS[config.model]

@@ -25,7 +25,7 @@ import zipfile
 import pytest
 
 import tfpipe
-from launch import train as train_lib
+from launch import quiet as quiet_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 300  # seconds; a subprocess that imports TensorFlow takes 5-10 s here
@@ -175,7 +175,7 @@ _TF_OWN = "2025-09-17 14:44:05.157831: I external/cudart_stub.cc:32] no cuda dri
 ], ids=["banner-2", "banner-1", "banner-0", "error-2", "warning-1", "error-3", "fatal-3",
         "python-and-tsl-lines", "level-above-3"])
 def test_start_up_log_filter(captured, level, kept):
-    assert train_lib.filter_start_up_log(captured, level) == kept
+    assert quiet_lib.filter_start_up_log(captured, level) == kept
 
 
 # `with launch.train.quiet_start_up(): import tensorflow`, as launch.train does.
