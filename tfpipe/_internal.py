@@ -138,6 +138,25 @@ def chain_ops(ops_in_order, after=None):
     return previous
 
 
+def unordered_timestamp():
+    """`tf.timestamp()` (float64 seconds) that tf.function does not chain.
+
+    tf.function's automatic control dependencies run every stateful op that
+    has no resource input (`Timestamp` is one) in creation order. A stamp
+    per pipeline action would then make each action wait for the action
+    traced before it, on whatever device: the timeline of a step that never
+    runs two devices at once. Marked independent
+    (`AutomaticControlDependencies.run_independently`, reached through the
+    graph's `experimental_acd_manager`), the stamp is ordered only by the
+    control edges its caller adds, and still runs before the function returns.
+    """
+    stamp = tf.timestamp()
+    manager = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None)
+    if manager is not None and not tf.executing_eagerly():
+        manager.run_independently(stamp.op)
+    return stamp
+
+
 # -- Keras metadata on tensors ------------------------------------------------
 
 

@@ -44,6 +44,7 @@ their rows (`_GradientSlot`), as in the unrolled step.
 
 import tensorflow as tf
 
+from tfpipe import _internal
 from tfpipe import boundary
 from tfpipe import devices
 from tfpipe import gradients as gradients_lib
@@ -129,7 +130,7 @@ class LoopStore:
         # The action starts once its inputs exist: stamp then, and make its
         # work wait for the stamp.
         with tf.control_dependencies(runtime.float_leaves(structure)):
-            self.start = tf.timestamp()
+            self.start = _internal.unordered_timestamp()
         with tf.control_dependencies([self.start]):
             return tf.nest.map_structure(
                 lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, structure)
@@ -427,12 +428,13 @@ class LoopBackend:
                 # Every op of the action (variable reads and the replay's seed
                 # assignments included) waits for the device's previous action.
                 with tf.control_dependencies([st["token"][d]]):
-                    store.start = tf.timestamp() if timed else None
+                    store.start = _internal.unordered_timestamp() if timed else None
                     step.run(store, d, schedules.Action(kind, k, m))
                 with tf.control_dependencies(graph.get_operations()[first_op:]):
                     store.st["token"][d] = tf.identity(st["token"][d])
                     if timed:
-                        layout.stamp(store.st, d, t_now[0], store.start, tf.timestamp())
+                        layout.stamp(store.st, d, t_now[0], store.start,
+                                     _internal.unordered_timestamp())
             return _select(store.st, owned[d])
 
         t_now = [None]

@@ -60,10 +60,12 @@ class UnrolledStore:
             with tf.control_dependencies([self.last[d]]):
                 structure = _identity(structure)
         if self.timeline is not None:
+            # Unordered: a plain tf.timestamp() would be chained by tf.function
+            # to every other stamp of the step, serialising the devices.
             with tf.control_dependencies(
                     runtime.float_leaves(structure) + [t for t in [self.last[d]]
                                                       if t is not None]):
-                self.start = tf.timestamp()
+                self.start = _internal.unordered_timestamp()
             with tf.control_dependencies([self.start]):
                 structure = _identity(structure)
         gate = self.start if self.timeline is not None else (
@@ -190,8 +192,11 @@ class UnrolledBackend:
                 produced = step.run(store, d, action)
                 end = None
                 if timeline is not None:
-                    with tf.control_dependencies(produced.tensors):
-                        end = tf.timestamp()
+                    # After the start too: an action may produce nothing (stage
+                    # 0's I, whose weight half waits for W).
+                    with tf.control_dependencies(produced.tensors + [
+                            t for t in [store.start, store.last[d]] if t is not None]):
+                        end = _internal.unordered_timestamp()
                     timeline.append(dict(device=d, kind=action.kind, stage=action.stage,
                                          microbatch=action.microbatch, start=store.start,
                                          end=end))

@@ -95,6 +95,22 @@ def test_layer_internals_used_for_graphs_losses_and_batch_norm():
     assert len(seen) == 1  # intercepted only inside the context
 
 
+def test_unordered_timestamps_are_not_chained_by_tf_function():
+    # tf.function chains stateful ops without resource inputs (tf.timestamp)
+    # in creation order: why the pipeline timeline needs unordered stamps.
+    def stamps(make):
+        graph = tf.function(lambda: (make(), make())).get_concrete_function().graph
+        return [op for op in graph.get_operations() if op.type == "Timestamp"]
+
+    first, second = stamps(tf.timestamp)
+    assert first in second.control_inputs
+    first, second = stamps(_internal.unordered_timestamp)
+    assert first not in second.control_inputs
+    values = tf.function(lambda: (_internal.unordered_timestamp(),
+                                  _internal.unordered_timestamp()))()
+    assert all(float(v) > 1e9 for v in values)  # both ran: seconds since 1970
+
+
 def test_compiled_loss_terms():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(loss=keras.losses.MeanAbsoluteError(reduction="sum"), loss_weights=0.5)
