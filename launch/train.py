@@ -231,9 +231,8 @@ def format_summary(config, result):
         f"loss curve            {result['loss_plot']}",
     ]
     if result.get("timeline"):
-        measured, simulated = result["timeline_bubble"]
-        lines.append(f"pipeline timeline     {result['timeline']} (bubble measured "
-                     f"{measured:.1%}, simulated {simulated:.1%})")
+        lines.append(f"pipeline timeline     {result['timeline']}")
+        lines.append(f"  one measured step:  {result['timeline_summary']}")
     lines += [
         result["pipeline_summary"],
     ]

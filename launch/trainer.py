@@ -405,8 +405,9 @@ def train(config, callbacks=()):
         "data_kind": data.kind,
         "pipeline_summary": model.pipeline_summary(),
         "timeline": (timeline.paths[-1] if timeline and timeline.paths else None),
-        "timeline_bubble": ((timeline.timelines[-1].measured_bubble,
-                             timeline.timelines[-1].simulated_bubble)
-                            if timeline and timeline.timelines else None),
+        # Its figures in one line (measured bubble, predicted from measured
+        # stage costs, the schedule's ideal, overlap): `Timeline.summary()`.
+        "timeline_summary": (timeline.timelines[-1].summary()
+                             if timeline and timeline.timelines else None),
         "model": model,
     }

@@ -1,19 +1,47 @@
-"""A measured pipeline timeline: when each stage ran in one real training step.
+"""A measured pipeline timeline: when each action ran in one real training step.
 
 `record_step(model, x, y)` runs one training step's forward and backward
-through the model's schedule with a `tf.timestamp()` taken as each action
-starts (its inputs exist and its device finished the previous action) and
-ends (its outputs exist). The result is a `Timeline`: per device, the actions
-with start and end times in milliseconds, the measured bubble fraction, and
-the bubble the schedule simulator predicts for the measured per-stage costs.
-It writes a Chrome trace (`chrome://tracing`, Perfetto) and a PNG Gantt chart.
+through the model's schedule, as `fit` runs it: all devices at once, in one
+`tf.function` call. Each action is stamped inside that running step
+(`tf.timestamp()`, host clock) when it starts (its inputs exist and its
+device finished its previous action) and when it ends (its outputs exist).
+The stamps add only the ordering the schedule already has: they are not
+chained to each other (`_internal.unordered_timestamp`), so two devices'
+actions overlap in the timeline exactly when they ran at once.
 
-`PipelineTimeline` is a Keras callback doing the same at the end of `fit`
-(or every N epochs), into files and TensorBoard.
+The result is a `Timeline`: per device, the actions with start and end times
+in milliseconds, and three bubble figures, which answer different questions
+(the names are used everywhere: chart, Chrome trace, TensorBoard, trainer):
 
-Timestamps are host times: exact on CPU devices; on GPUs they mark when the
-executor saw the kernels' inputs and outputs, not when the kernels ran (use
-the TensorFlow profiler there).
+  measured bubble          idle share of the D devices over the step's span,
+                           1 - (sum of all action times) / (D * span).
+  predicted from measured  `schedules.simulate` of this schedule with each
+  stage costs              stage's mean measured F, B, I and W times: what the
+                           schedule alone would leave idle on this machine
+                           (no transfers, no contention for cores, no
+                           scheduling delays). Measured minus predicted is the
+                           time lost to those.
+  schedule's ideal with    the schedule's own bubble with F = 1, B = 2
+  F=1, B=2                 (I = W = 1) on every stage; depends only on the
+                           schedule, M and D (`model.pipeline_summary()` and
+                           the README's table quote it).
+
+and the overlap: the time during which two or more devices had an action
+running (`Timeline.overlap_ms`), beside what the simulated step predicts
+(`predicted_overlap_ms`: 0 where the schedule never runs two devices at once,
+e.g. one device or one micro-batch, and the chart says so).
+
+It writes a Chrome trace (`chrome://tracing`, Perfetto; the figures and their
+explanations are in its `otherData`) and a PNG Gantt chart (a legend, the
+figures in a caption, labels only where they fit their bar).
+`PipelineTimeline` is a Keras callback doing the same at the end of `fit` (or
+every N epochs), into files and TensorBoard.
+
+Timestamps are host times. On CPU devices a bar runs from when the action's
+inputs were ready to when its outputs existed; where more devices are ready
+than there are cores, that includes waiting for a core. On GPUs they mark when
+the executor saw the kernels' inputs and outputs, not when the kernels ran
+(use the TensorFlow profiler there).
 """
 
 import dataclasses
@@ -27,6 +55,29 @@ import tensorflow as tf
 from tfpipe import engine
 from tfpipe import loss as loss_lib
 from tfpipe import schedules
+
+# What each figure means, in the words the chart, the Chrome trace and
+# TensorBoard show (keys: the `Timeline` attributes).
+FIGURES = {
+    "measured_bubble": (
+        "measured bubble: idle share of the D devices over the step's span, "
+        "1 - (sum of all action times) / (D x span), from timestamps taken in the running step"),
+    "predicted_bubble": (
+        "predicted from measured stage costs: the schedule simulated with each stage's mean "
+        "measured F, B, I, W times (no transfers, no contention, no scheduling delays)"),
+    "ideal_bubble": (
+        "schedule's ideal with F=1, B=2: the schedule's own bubble with F = 1, B = 2 "
+        "(I = W = 1) on every stage; depends only on the schedule, M and D"),
+    "overlap_ms": (
+        "overlap: milliseconds during which two or more devices had an action running"),
+    "predicted_overlap_ms": (
+        "predicted overlap: the same in the step simulated from measured stage costs "
+        "(0: the schedule never runs two devices at once)"),
+}
+
+# Bar colours per action kind, and the text colour that reads on each.
+_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#8c8c8c"}
+_DPI = 110
 
 
 @dataclasses.dataclass
@@ -55,9 +106,14 @@ class Timeline:
       devices: the D device names.
       schedule: the schedule's name; num_microbatches: M.
       measured_bubble: 1 - busy / (D * span), from the measured times.
-      simulated_bubble: what `schedules.simulate` predicts for this schedule
-        with each stage's measured mean F and B durations.
-      ideal_bubble: the simulator with F = 1, B = 2 for every device.
+      predicted_bubble: "predicted from measured stage costs":
+        `schedules.simulate` of this schedule with each stage's mean measured
+        F, B, I and W durations (what the schedule alone would leave idle).
+      ideal_bubble: "schedule's ideal with F=1, B=2": the simulator with
+        F = 1, B = 2 (I = W = 1) on every stage.
+      predicted_overlap_ms: time two or more devices run at once in that
+        simulated step (0: the schedule never overlaps devices here).
+    See the module docstring and `FIGURES` for what each figure tells.
     """
 
     events: list
@@ -65,15 +121,58 @@ class Timeline:
     schedule: str
     num_microbatches: int
     measured_bubble: float
-    simulated_bubble: float
+    predicted_bubble: float
     ideal_bubble: float
+    predicted_overlap_ms: float = 0.0
 
     @property
     def span_ms(self):
         return max(e.end_ms for e in self.events) - min(e.start_ms for e in self.events)
 
+    @property
+    def overlap_ms(self):
+        """Milliseconds during which two or more devices had an action running."""
+        per_device = [[] for _ in self.devices]
+        for e in self.events:
+            per_device[e.device].append((e.start_ms, e.end_ms))
+        return overlap_ms(per_device)
+
+    def summary(self):
+        """The figures in one line (the trainer prints it), e.g. "measured
+        bubble 21.0%; predicted from measured stage costs 23.3%; schedule's
+        ideal with F=1, B=2: 20.0%; overlap 10.4 of 19.1 ms"."""
+        return (f"measured bubble {self.measured_bubble:.1%}; predicted from measured stage "
+                f"costs {self.predicted_bubble:.1%}; schedule's ideal with F=1, B=2: "
+                f"{self.ideal_bubble:.1%}; {self._overlap_text()}")
+
+    def _overlap_text(self):
+        if len(self.devices) < 2:
+            return "overlap: none possible (one device)"
+        if self.predicted_overlap_ms <= 0.0:
+            # (A backward may still start on its input gradient while the next
+            # stage computes its weight gradients: the measured figure stays.)
+            return (f"overlap {self.overlap_ms:.1f} ms, none predicted: this schedule runs "
+                    f"one action at a time with M={self.num_microbatches}")
+        return (f"overlap (2+ devices busy) {self.overlap_ms:.1f} of {self.span_ms:.1f} ms, "
+                f"predicted {self.predicted_overlap_ms:.1f} ms")
+
+    def metadata(self):
+        """The figures and what each means (a JSON-ready dict)."""
+        return {"schedule": self.schedule, "num_microbatches": self.num_microbatches,
+                "devices": list(self.devices), "span_ms": self.span_ms,
+                "measured_bubble": self.measured_bubble,
+                "predicted_bubble": self.predicted_bubble,
+                "ideal_bubble": self.ideal_bubble,
+                "overlap_ms": self.overlap_ms,
+                "predicted_overlap_ms": self.predicted_overlap_ms,
+                "summary": self.summary(),
+                "figures": dict(FIGURES)}
+
     def to_chrome_trace(self, path):
-        """Writes a Chrome trace JSON (one row per device); returns `path`."""
+        """Writes a Chrome trace JSON (one row per device); returns `path`.
+
+        The figures and their explanations are in `otherData`
+        (`metadata()`; chrome://tracing shows them under "Metadata")."""
         trace = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": d,
                   "args": {"name": f"device {d}: {name}"}}
                  for d, name in enumerate(self.devices)]
@@ -84,54 +183,140 @@ class Timeline:
                 "ts": e.start_ms * 1e3, "dur": max(e.end_ms - e.start_ms, 0.0) * 1e3,
                 "args": {"stage": e.stage, "microbatch": e.microbatch},
             })
-        meta = {"schedule": self.schedule, "num_microbatches": self.num_microbatches,
-                "measured_bubble": self.measured_bubble,
-                "simulated_bubble": self.simulated_bubble}
         with open(path, "w") as f:
-            json.dump({"traceEvents": trace, "displayTimeUnit": "ms", "otherData": meta}, f)
+            json.dump({"traceEvents": trace, "displayTimeUnit": "ms",
+                       "otherData": self.metadata()}, f)
         return path
 
-    def plot(self, path=None):
-        """A Gantt chart (PNG). Writes `path` if given; returns the PNG bytes."""
+    def figure(self):
+        """The Gantt chart as a matplotlib `Figure` (Agg canvas, no pyplot).
+
+        One row per device, a bar per action coloured by kind (legend below
+        the axis), the figures in a caption. A bar's label ("B0.2": kind,
+        stage.micro-batch) is drawn only if its rendered text fits inside the
+        bar, in the text colour with the higher contrast on that bar colour.
+        """
         try:  # an extra: the library itself needs only TensorFlow and Keras
-            import matplotlib  # pylint: disable=import-outside-toplevel
+            # pylint: disable=import-outside-toplevel
+            from matplotlib import figure as mpl_figure
+            from matplotlib import patches
+            from matplotlib.backends import backend_agg
         except ImportError as err:
             raise ImportError("Timeline.plot draws with matplotlib, which is not installed: "
                               "pip install 'tfpipe[plot]' (or matplotlib)") from err
-        matplotlib.use("Agg")
-        from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
 
         d_count = len(self.devices)
-        fig, ax = plt.subplots(figsize=(10, 0.6 * d_count + 1.6))
-        colours = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#8c8c8c"}
-        for kind in sorted({e.kind for e in self.events}, key="FBIW".index):
-            ax.broken_barh([], (0, 0), facecolors=colours[kind],
-                           label=f"{kind}: {schedules.KINDS[kind].description}")
-        for e in self.events:
-            width = max(e.end_ms - e.start_ms, 1e-6)
-            ax.broken_barh([(e.start_ms, width)], (e.device - 0.4, 0.8),
-                           facecolors=colours[e.kind], edgecolor="white", linewidth=0.5)
-            if width > self.span_ms / 60:
-                ax.text(e.start_ms + width / 2, e.device, e.name, ha="center",
-                        va="center", fontsize=7, color="white")
+        title = (f"{self.schedule}, M={self.num_microbatches}, {d_count} device(s): one "
+                 f"measured training step, {self.span_ms:.2f} ms (all devices at once)")
+        overlap = self._overlap_text()
+        caption = [
+            f"Bubble: measured {self.measured_bubble:.1%} (idle share of the devices over the "
+            f"span); predicted from measured stage costs {self.predicted_bubble:.1%} (the "
+            f"schedule simulated with these F/B/I/W times);",
+            f"schedule's ideal with F=1, B=2: {self.ideal_bubble:.1%} (the schedule alone). "
+            f"{overlap[0].upper() + overlap[1:]}.",
+            "A bar runs from the action's start (inputs ready, device free) to its outputs "
+            "existing (host clock). Labels: kind stage.micro-batch, drawn where they fit.",
+        ]
+        # Inches: title, rows, x axis, legend, caption lines.
+        top, row, axis, legend, line = 0.35, 0.55, 0.42, 0.3, 0.17
+        below = axis + legend + line * len(caption) + 0.08
+        height = top + max(row * d_count, 1.0) + below
+        fig = mpl_figure.Figure(figsize=(10, height), dpi=_DPI)
+        backend_agg.FigureCanvasAgg(fig)
+        ax = fig.add_axes((0.1, below / height, 0.88, 1 - (below + top) / height))
+        ax.set_title(title, fontsize=9)
+        span_end = max((e.end_ms for e in self.events), default=1.0)
+        ax.set_xlim(0, span_end if span_end > 0 else 1.0)
+        ax.set_ylim(d_count - 0.5, -0.5)  # device 0 on top
         ax.set_yticks(range(d_count))
-        ax.set_yticklabels([f"device {d}" for d in range(d_count)])
-        ax.invert_yaxis()
-        ax.legend(loc="upper right", fontsize=7, ncol=4)
-        ax.set_xlabel("time in the step (ms)")
-        ax.set_title(
-            f"{self.schedule}, M={self.num_microbatches}: bubble measured "
-            f"{self.measured_bubble:.1%}, simulated {self.simulated_bubble:.1%} "
-            f"(F=1, B=2: {self.ideal_bubble:.1%})", fontsize=9)
-        fig.tight_layout()
+        ax.set_yticklabels([f"device {d}" for d in range(d_count)], fontsize=8)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.set_xlabel("time in the step (ms)", fontsize=8)
+        for d in range(d_count):
+            for kind, colour in _COLOURS.items():
+                bars = [(e.start_ms, max(e.end_ms - e.start_ms, 1e-9)) for e in self.events
+                        if e.device == d and e.kind == kind]
+                if bars:
+                    ax.broken_barh(bars, (d - 0.4, 0.8), facecolors=colour,
+                                   edgecolor="white", linewidth=0.5)
+        kinds = sorted({e.kind for e in self.events}, key="FBIW".index)
+        axes_height = height * ax.get_position().height  # inches
+        ax.legend(handles=[patches.Patch(facecolor=_COLOURS[k],
+                                         label=f"{k}: {schedules.KINDS[k].description}")
+                           for k in kinds],
+                  loc="upper center", bbox_to_anchor=(0.5, -axis / axes_height),
+                  ncol=len(kinds), fontsize=8, frameon=False)
+        for i, text in enumerate(caption):
+            fig.text(0.01, (line * (len(caption) - i - 1) + 0.06) / height, text,
+                     fontsize=7.5, va="bottom")
+        self._label_bars(fig, ax)
+        return fig
+
+    def _label_bars(self, fig, ax):
+        """Adds each bar's label if its rendered extent fits inside the bar."""
+        renderer = fig.canvas.get_renderer()
+        pad = 2.0  # pixels kept free on each side
+        for e in self.events:
+            (x0, y0), (x1, y1) = ax.transData.transform(
+                [(e.start_ms, e.device - 0.4), (e.end_ms, e.device + 0.4)])
+            width, height = abs(x1 - x0), abs(y1 - y0)
+            if width < 2 * pad + 4:  # no character fits: skip the measuring
+                continue
+            text = ax.text((e.start_ms + e.end_ms) / 2, e.device, e.name, ha="center",
+                           va="center", fontsize=7, color=text_colour(_COLOURS[e.kind]))
+            extent = text.get_window_extent(renderer)
+            if extent.width > width - 2 * pad or extent.height > height - pad:
+                text.remove()
+
+    def plot(self, path=None):
+        """The Gantt chart (`figure()`) as PNG bytes; writes `path` if given."""
         buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=110)
-        plt.close(fig)
+        self.figure().savefig(buffer, format="png", dpi=_DPI)
         data = buffer.getvalue()
         if path is not None:
             with open(path, "wb") as f:
                 f.write(data)
         return data
+
+
+def text_colour(background):
+    """"#111111" or "white", whichever has the higher WCAG contrast on the
+    colour `background` (a matplotlib colour)."""
+    from matplotlib import colors  # pylint: disable=import-outside-toplevel
+
+    def luminance(colour):
+        channels = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+                    for c in colors.to_rgb(colour)]
+        return 0.2126 * channels[0] + 0.7152 * channels[1] + 0.0722 * channels[2]
+
+    def contrast(a, b):
+        high, low = sorted((luminance(a), luminance(b)), reverse=True)
+        return (high + 0.05) / (low + 0.05)
+
+    return max(("#111111", "white"), key=lambda c: contrast(c, background))
+
+
+def overlap_ms(intervals):
+    """Time covered by two or more of the D lists of (start, end) intervals
+    (one list per device; a device's own intervals are merged first)."""
+    points = []
+    for device in intervals:
+        merged = []
+        for start, end in sorted(device):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            elif end > start:
+                merged.append([start, end])
+        for start, end in merged:
+            points += [(start, 1), (end, -1)]
+    total, busy, previous = 0.0, 0, None
+    for time, change in sorted(points):  # at a tie, an end (-1) before a start
+        if busy >= 2:
+            total += time - previous
+        busy += change
+        previous = time
+    return total
 
 
 def _stage_costs(events, num_stages, kind):
@@ -146,10 +331,10 @@ def record_step(model, x, y=None, sample_weight=None, repeats=2):
     """Runs and times one training step of a compiled `PipelinedModel`.
 
     The forward and backward run exactly as in `fit` (same schedule, devices,
-    recompute and execution: both backends stamp each action), but no
-    optimizer update is applied, and all
-    non-trainable state (BatchNorm statistics, RNG seeds) is restored after,
-    so the model is unchanged.
+    recompute, execution and `serialize_ops`; both backends stamp each action
+    inside the running step, all devices at once), but no optimizer update is
+    applied, and all non-trainable state (BatchNorm statistics, RNG seeds) is
+    restored after, so the model is unchanged.
 
     Args:
       model: a built, compiled `tfpipe.PipelinedModel`.
@@ -157,13 +342,15 @@ def record_step(model, x, y=None, sample_weight=None, repeats=2):
         of the model's num_microbatches.
       repeats: runs of the step; the first traces the graph, the last is kept.
     Returns:
-      A `Timeline`.
+      A `Timeline` (times in ms; bubbles as fractions in [0, 1]).
     """
     if not getattr(model, "compiled", False) or not model.built:
         raise ValueError("record_step needs a built, compiled PipelinedModel "
                          "(call model.compile and model.build or fit first).")
     model._check_batch(int(tf.nest.flatten(x)[0].shape[0]), None, "record_step")  # pylint: disable=protected-access
     pipeline = engine.Pipeline(model.stages, model.pipeline_devices, model.pipeline_config)
+    # A benchmark's one-stream-per-device emulation applies to the recording too.
+    pipeline.serialize_ops = model.pipeline.serialize_ops
     state = list(model.non_trainable_variables)
     meta = []  # filled once, when the step is traced: what each timestamp pair is
 
@@ -206,20 +393,35 @@ def record_step(model, x, y=None, sample_weight=None, repeats=2):
     backward = [b + i + w for b, i, w in zip(_stage_costs(events, k_count, "B"),
                                              _stage_costs(events, k_count, "I"), weight)]
     m_count = model.num_microbatches
-    simulated = schedules.simulate(model.schedule, m_count, d_count, forward, backward,
+    predicted = schedules.simulate(model.schedule, m_count, d_count, forward, backward,
                                    weight_cost=weight)
     ideal = schedules.simulate(model.schedule, m_count, d_count)
+    predicted_overlap = overlap_ms([[(s, e) for _, s, e in row] for row in predicted.timeline])
     return Timeline(events, list(model.pipeline_devices), model.schedule.name, m_count,
-                    1.0 - busy / (d_count * span) if span else 0.0,
-                    simulated.bubble_fraction, ideal.bubble_fraction)
+                    measured_bubble=1.0 - busy / (d_count * span) if span else 0.0,
+                    predicted_bubble=predicted.bubble_fraction,
+                    ideal_bubble=ideal.bubble_fraction,
+                    predicted_overlap_ms=predicted_overlap)
+
+
+# TensorBoard scalars: (tag, Timeline attribute).
+SCALARS = (("pipeline/bubble_measured", "measured_bubble"),
+           ("pipeline/bubble_predicted_from_stage_costs", "predicted_bubble"),
+           ("pipeline/bubble_schedule_ideal_F1_B2", "ideal_bubble"),
+           ("pipeline/overlap_ms", "overlap_ms"),
+           ("pipeline/overlap_predicted_ms", "predicted_overlap_ms"))
 
 
 class PipelineTimeline(keras.callbacks.Callback):
     """Records a `Timeline` of one step on a fixed batch during `fit`.
 
     Writes `timeline_epoch{E}.json` (Chrome trace) and `.png` into `log_dir`,
-    and, if `tensorboard_dir` is given, the PNG as an image and the measured
-    and simulated bubble as scalars ("pipeline/...") at step E.
+    and, if `tensorboard_dir` is given, the PNG as an image
+    ("pipeline/timeline") and the figures as scalars at step E (`SCALARS`:
+    "pipeline/bubble_measured", "pipeline/bubble_predicted_from_stage_costs",
+    "pipeline/bubble_schedule_ideal_F1_B2", "pipeline/overlap_ms",
+    "pipeline/overlap_predicted_ms"), each with its explanation as the
+    scalar's description.
 
     Args:
       x, y, sample_weight: the batch to time (a multiple of M rows).
@@ -255,11 +457,11 @@ class PipelineTimeline(keras.callbacks.Callback):
             writer = tf.summary.create_file_writer(self.tensorboard_dir)
             with writer.as_default():
                 image = tf.image.decode_png(png, channels=4)[tf.newaxis]
-                tf.summary.image("pipeline/timeline", image, step=epoch)
-                tf.summary.scalar("pipeline/bubble_measured", timeline.measured_bubble,
-                                  step=epoch)
-                tf.summary.scalar("pipeline/bubble_simulated", timeline.simulated_bubble,
-                                  step=epoch)
+                tf.summary.image("pipeline/timeline", image, step=epoch,
+                                 description=timeline.summary())
+                for tag, attribute in SCALARS:
+                    tf.summary.scalar(tag, getattr(timeline, attribute), step=epoch,
+                                      description=FIGURES[attribute])
             writer.flush()
 
     def on_epoch_end(self, epoch, logs=None):

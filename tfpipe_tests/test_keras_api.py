@@ -105,7 +105,7 @@ def test_summary_shows_stages_and_devices():
     model.summary(print_fn=lambda line, **kwargs: lines.append(line))
     text = "\n".join(lines)
     assert "4 stage(s) on 4 device(s) x 8 micro-batch(es), schedule=gpipe" in text
-    assert "simulated bubble=27.3%" in text  # (K - 1) / (M + K - 1) = 3 / 11
+    assert "schedule's ideal bubble (F=1, B=2)=27.3%" in text  # (K - 1) / (M + K - 1) = 3 / 11
     assert "peak live activations per device=[8, 8, 8, 8]" in text
     assert "(None, 16)" in text and "(None, 3)" in text  # batch stays unspecified
     for k in range(4):

@@ -97,7 +97,8 @@ def test_train_digits_mlp_learns_and_logs(tmp_path):
     assert result["checkpoint"].endswith("ckpt-23")
     summary = train_lib.format_summary(_config(tmp_path), result)
     for text in ("final train loss", "final val accuracy", "mean step time", "/device:CPU:3",
-                 "loss.png", "pipeline timeline", "bubble measured"):
+                 "loss.png", "pipeline timeline", "measured bubble",
+                 "predicted from measured stage costs", "schedule's ideal with F=1, B=2"):
         assert text in summary
     # The measured timeline of one step: a Chrome trace and a Gantt chart.
     trace = json.loads((tmp_path / "timeline" / "timeline_epoch1.json").read_text())
