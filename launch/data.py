@@ -75,7 +75,11 @@ def load_digits(seed=0, max_examples=0):
     A fixed shuffle (numpy default_rng(seed)), then an 80/20 split: 1438
     training and 359 validation images, x (n, 8, 8, 1) float32.
     """
-    from sklearn import datasets  # pylint: disable=import-outside-toplevel
+    try:
+        from sklearn import datasets  # pylint: disable=import-outside-toplevel
+    except ImportError as err:
+        raise ImportError("The digits data set ships with scikit-learn, which is not "
+                          "installed: pip install -e '.[train]' (or scikit-learn).") from err
 
     digits = datasets.load_digits()
     x = (digits.data / 16.0).astype("float32").reshape(-1, 8, 8, 1)

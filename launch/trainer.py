@@ -249,7 +249,7 @@ def train(config, callbacks=()):
         # tf.summary needs it, and would fail only mid-epoch.
         raise ImportError(
             "launch.train logs to TensorBoard, which is not installed: "
-            "pip install tensorboard"
+            "pip install -e '.[train]' (or tensorboard)"
         )
     needed = config_lib.num_devices(config)
     if not tf.config.list_physical_devices("GPU") and needed > config.logical_cpus:
