@@ -207,7 +207,8 @@ class Timeline:
 
         d_count = len(self.devices)
         title = (f"{self.schedule}, M={self.num_microbatches}, {d_count} device(s): one "
-                 f"measured training step, {self.span_ms:.2f} ms (all devices at once)")
+                 f"measured training step, {self.span_ms:.2f} ms"
+                 + (" (all devices at once)" if d_count > 1 else ""))
         overlap = self._overlap_text()
         caption = [
             f"Bubble: measured {self.measured_bubble:.1%} (idle share of the devices over the "
