@@ -275,6 +275,10 @@ class CheckpointStore:
     def __init__(self, directory, checkpoint, keep=KEEP):
         self.dir = pathlib.Path(directory)
         self.checkpoint = checkpoint
+        # tf.train.CheckpointOptions or None. With stages on other hosts, the
+        # trainer sets experimental_io_device to this process's CPU, so that
+        # every file is written here (not each shard on its worker's disk).
+        self.options = None
         self.keep = int(keep)
         self.latest_step = None  # the newest committed step this process knows
 
@@ -378,7 +382,7 @@ class CheckpointStore:
         `RunHistory`. `strict`: every saved value must find its variable and
         every variable its value (a resharded resume: nothing may be left over)."""
         try:
-            status = self.checkpoint.read(self.path(step))
+            status = self.checkpoint.read(self.path(step), options=self.options)
             if strict:
                 status.assert_consumed()
             else:
@@ -401,7 +405,7 @@ class CheckpointStore:
         name = f"ckpt-{step}"
         self._delete(step)  # leftovers of an interrupted write of this step
         tmp = self.dir / f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-        self.checkpoint.write(str(tmp))
+        self.checkpoint.write(str(tmp), options=self.options)
         files = {}
         for written in sorted(self.dir.glob(tmp.name + ".*")):
             final = self.dir / (name + written.name[len(tmp.name):])

@@ -11,10 +11,13 @@ Exit codes of `python -m launch.train` (the `exit_code` of each error class):
 - 1: bad input: a flag (absl's parser), a setting, a data set, or a
   `--resume` with nothing usable to resume from (`RunError`);
 - 2: `--model_dir` is in use by another run (`ModelDirBusy`);
-- 3: training diverged: a non-finite loss or non-finite weights (`Diverged`).
+- 3: training diverged: a non-finite loss or non-finite weights (`Diverged`);
+- 4: a worker of --cluster was lost: it froze (`--step_timeout`'s
+  `tfpipe.StepWatchdog` ends the process) or died (`WorkerLost`).
 """
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -44,6 +47,12 @@ class Diverged(RunError):
         self.step = step
 
 
+class WorkerLost(RunError):
+    """A worker of --cluster died mid-run (TensorFlow's UnavailableError)."""
+
+    exit_code = 4  # tfpipe.watchdog.EXIT_CODE: a frozen worker ends the run with it too
+
+
 @dataclasses.dataclass
 class TrainConfig:
     """Everything one training run needs; the flags of `launch.train` map onto it."""
@@ -70,6 +79,8 @@ class TrainConfig:
     learning_rate: float = 1e-3
     seed: int = 0
     verbose: int | None = None  # None: 1 (progress bar) on a tty, else 2 (a line per epoch)
+    cluster: str = ""  # "": this process's devices; "local:N": N worker processes; "tf_config"
+    step_timeout: float = 0.0  # seconds; > 0: tfpipe.StepWatchdog (needs --cluster)
 
 
 # model name -> (the kind of data it takes, its default data set)
@@ -193,6 +204,49 @@ def _check_model_dir(value):
     return None
 
 
+_LOCAL_CLUSTER = re.compile(r"local:([0-9]+)")
+
+
+def _check_cluster(value):
+    if not isinstance(value, str):
+        return f"must be a string, got {value!r}"
+    match = _LOCAL_CLUSTER.fullmatch(value)
+    if value in ("", "tf_config") or (match and int(match.group(1)) >= 1):
+        return None
+    return (f"unknown cluster {value!r}; valid choices: local:N (N >= 1 worker processes on "
+            f"this machine), tf_config (the workers in the TF_CONFIG environment variable), "
+            f"or empty (this process's own devices)")
+
+
+def _check_step_timeout(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value >= 0):
+        return f"must be a number of seconds >= 0 (0: no watchdog), got {value!r}"
+    return None
+
+
+def cluster_workers(cluster):
+    """How many workers `cluster` ("local:N" or "tf_config") has, read without
+    TensorFlow, or a string saying why TF_CONFIG names none."""
+    match = _LOCAL_CLUSTER.fullmatch(cluster)
+    if match:
+        return int(match.group(1))
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return ("--cluster=tf_config reads the workers from the TF_CONFIG environment "
+                "variable, which is not set. Set TF_CONFIG='{\"cluster\": {\"worker\": "
+                "[\"host0:port\", \"host1:port\"]}}' and on each of those "
+                "hosts run a worker: python -m tfpipe.cluster --worker --task=k.")
+    try:
+        workers = json.loads(raw).get("cluster", {}).get("worker")
+    except (ValueError, AttributeError) as err:
+        return f"--cluster=tf_config: TF_CONFIG is not a JSON object ({err})."
+    if not workers:
+        return ("--cluster=tf_config: TF_CONFIG names no \"worker\" job in \"cluster\"; "
+                "stage k runs on /job:worker/task:k.")
+    return len(workers)
+
+
 def _check_verbose(value):
     if value not in (None, 0, 1, 2):
         return f"must be None, 0, 1 or 2, got {value!r}"
@@ -226,6 +280,8 @@ FIELD_CHECKS = {
     "learning_rate": _check_learning_rate,
     "seed": _check_seed,
     "verbose": _check_verbose,
+    "cluster": _check_cluster,
+    "step_timeout": _check_step_timeout,
 }
 
 
@@ -282,6 +338,29 @@ def _reshard_resumes(s):
     return None
 
 
+def _cluster_holds_the_stages(s):
+    if not s["cluster"]:
+        return None
+    workers = cluster_workers(s["cluster"])
+    if isinstance(workers, str):
+        return workers
+    needed = -(-s["stages"] // virtual_stages(s["schedule"]))
+    if workers < needed:
+        fix = (f"--cluster=local:{needed}" if s["cluster"] != "tf_config"
+               else f"{needed} workers in TF_CONFIG")
+        return (f"--cluster={s['cluster']} has {workers} worker(s), but --stages="
+                f"{s['stages']} with --schedule={s['schedule']} needs {needed} (stage k on "
+                f"/job:worker/task:k). Use {fix}, or fewer --stages.")
+    return None
+
+
+def _watchdog_watches_a_cluster(s):
+    if s["step_timeout"] and not s["cluster"]:
+        return (f"--step_timeout={s['step_timeout']:g} watches the workers of --cluster, "
+                f"and there is none: use it with --cluster=local:N or --cluster=tf_config.")
+    return None
+
+
 # (settings it reads, check); each runs only when every single setting it reads is fine.
 CROSS_CHECKS = [
     (("reshard", "resume"), _reshard_resumes),
@@ -289,6 +368,8 @@ CROSS_CHECKS = [
     (("model", "dataset"), _model_takes_the_dataset),
     (("stages", "schedule", "microbatches"), _stages_fit_the_schedule),
     (("execution", "recompute"), _loop_recomputes),
+    (("cluster", "stages", "schedule"), _cluster_holds_the_stages),
+    (("step_timeout", "cluster"), _watchdog_watches_a_cluster),
 ]
 
 

@@ -21,7 +21,12 @@ This module imports no TensorFlow until the flags are parsed, checked
 (`launch.config`) and the lock on --model_dir is taken (`launch.run_lock`):
 a bad flag or a busy directory is one line, at once. Exit codes: 0 done;
 1 bad input (flags, settings, data, nothing intact to resume from); 2
---model_dir in use by another run; 3 diverged (a non-finite loss or weight).
+--model_dir in use by another run; 3 diverged (a non-finite loss or weight);
+4 a worker of --cluster froze or died (named in the message).
+
+    python -m launch.train --cluster=local:2 --stages=2 --step_timeout=60
+    TF_CONFIG='{"cluster": {"worker": ["host0:2222", "host1:2222"]}}' \
+        python -m launch.train --cluster=tf_config --stages=2
 
 TensorFlow starts quietly: TF_CPP_MIN_LOG_LEVEL is 2 unless the user set it
 (errors still show), and the messages TensorFlow's C++ libraries print while
@@ -177,6 +182,15 @@ flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate,
                    "Adam learning rate. Training stops with exit code 3 at the first "
                    "non-finite loss; no non-finite checkpoint is ever saved.")
 flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the initial weights and the data order.")
+flags.DEFINE_string("cluster", _DEFAULTS.cluster,
+                    "Stages on other processes (TensorFlow's gRPC runtime; this process is "
+                    "the single client): local:N starts N worker processes on 127.0.0.1, "
+                    "tf_config connects to the workers in the TF_CONFIG environment variable. "
+                    "Stage k runs on /job:worker/task:k. Empty: this process's devices.")
+flags.DEFINE_float("step_timeout", _DEFAULTS.step_timeout,
+                   "With --cluster: seconds a step may stall before every worker's port is "
+                   "probed; a frozen or dead worker ends the run with exit code 4, naming "
+                   "the task (tfpipe.StepWatchdog). 0: no watchdog.")
 
 
 def _register_validators():

@@ -29,7 +29,7 @@ import tfpipe
 from launch import checkpoints
 from launch import config as config_lib
 from launch import data as data_lib
-from launch.config import Diverged, RunError
+from launch.config import Diverged, RunError, WorkerLost
 from models import mlp
 from models import resnet_cnn
 from models import transformer_lm
@@ -154,6 +154,44 @@ def pipeline_strategy(config, devices=None):
         recompute=None if config.recompute == "auto" else config.recompute)
 
 
+def _cluster_devices(config):
+    """--cluster: starts (local:N) or finds (tf_config) the workers, connects
+    this process to them as the single client, and returns (ClusterSpec,
+    devices): device k is task k's GPU:0 if it has one, else its CPU:0.
+
+    Local workers live as long as this process (the trained model's variables
+    are on them): `LocalCluster` kills them at exit, `StepWatchdog` before
+    its `os._exit`, and each ends by itself if this process goes away."""
+    if config.cluster.startswith("local:"):
+        target = tfpipe.cluster.LocalCluster(int(config.cluster.split(":")[1]))
+        target.start()
+    else:
+        target = "tf_config"
+    spec = tfpipe.cluster.connect(target)
+    gpus = tfpipe.placement.available_devices("GPU")
+    devices = []
+    for k in range(config_lib.num_devices(config)):
+        gpu = f"/job:{tfpipe.cluster.JOB}/task:{k}/device:GPU:0"
+        on_gpu = any(tfpipe.placement.same_device(gpu, g) for g in gpus)
+        devices.append(tfpipe.placement.canonical_device(
+            gpu if on_gpu else f"/job:{tfpipe.cluster.JOB}/task:{k}/device:CPU:0"))
+    pids = target.pids if isinstance(target, tfpipe.cluster.LocalCluster) else None
+    return spec, devices, pids
+
+
+def _print_stage_devices(config, strategy, spec, pids):
+    """One line per worker device: its address (and pid) and its stages."""
+    devices, stage_devices = strategy.pipeline_devices(config.stages)
+    addresses = tfpipe.cluster.task_addresses(spec)
+    print(f"--cluster={config.cluster}: this process is the client; stage devices:")
+    for k, device in enumerate(devices):
+        stages = [s for s, d in enumerate(stage_devices) if d == device]
+        task = f"/job:{tfpipe.cluster.JOB}/task:{k}"
+        where = addresses[task] + (f", pid {pids[k]}" if pids else "")
+        print(f"  stage {', '.join(map(str, stages))} on {device} ({where})")
+    sys.stdout.flush()
+
+
 # Run settings that only lay the model out on devices: --reshard may change them.
 LAYOUT_SETTINGS = ("stages",)
 
@@ -252,7 +290,8 @@ def train(config, callbacks=()):
             "pip install -e '.[train]' (or tensorboard)"
         )
     needed = config_lib.num_devices(config)
-    if not tf.config.list_physical_devices("GPU") and needed > config.logical_cpus:
+    if (not config.cluster and not tf.config.list_physical_devices("GPU")
+            and needed > config.logical_cpus):
         raise RunError(
             f"--stages={config.stages} with --schedule={config.schedule} needs "
             f"{needed} devices, but --logical_cpus={config.logical_cpus} (and there is no "
@@ -260,7 +299,11 @@ def train(config, callbacks=()):
     # A no-op when the process already has this many logical CPUs (e.g. a test's
     # conftest called it); must precede every TensorFlow op.
     tfpipe.testing.use_logical_cpus(config.logical_cpus)
-    devices = _stage_devices(config)
+    cluster_spec = pids = None
+    if config.cluster:  # after the logical CPUs (fixed once connected), before any op
+        cluster_spec, devices, pids = _cluster_devices(config)
+    else:
+        devices = _stage_devices(config)
     keras.utils.set_random_seed(config.seed)
 
     try:
@@ -292,6 +335,8 @@ def train(config, callbacks=()):
         _clear_outputs(model_dir)
 
     strategy = pipeline_strategy(config, devices)
+    if cluster_spec is not None:
+        _print_stage_devices(config, strategy, cluster_spec, pids)
     with strategy.scope():
         model = spec.build(config, data)
         # Compiling a built PipelinedModel builds the optimizer there and then:
@@ -305,6 +350,9 @@ def train(config, callbacks=()):
     with tf.device("/CPU:0"):
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
     store.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step)
+    if cluster_spec is not None:  # every checkpoint file written by this process, here
+        store.options = tf.train.CheckpointOptions(
+            experimental_io_device="/job:localhost/replica:0/task:0/device:CPU:0")
     history = checkpoints.RunHistory(history_path, run)
     if resume_step is not None:
         # Into the variables that exist already: values move, devices stay.
@@ -342,6 +390,9 @@ def train(config, callbacks=()):
             log_dir=str(model_dir / "timeline"),
             tensorboard_dir=str(model_dir / checkpoints.TENSORBOARD_DIR / "pipeline"))
     own_callbacks = [
+        # First, so that its clock starts before the others' work at each hook.
+        *([tfpipe.StepWatchdog(timeout_s=config.step_timeout, cluster=cluster_spec)]
+          if config.step_timeout else []),
         timer,
         # First: it stops at a non-finite loss before anything records the step,
         # and puts the epoch's running means into the logs the others see.
@@ -372,6 +423,12 @@ def train(config, callbacks=()):
         if epoch < config.epochs:
             fit(epoch * steps_per_epoch, total_steps, config.epochs, epoch, last_fit=True)
         checkpointer.save()  # the final state, whatever --checkpoint_every is
+    except tf.errors.UnavailableError as err:
+        if cluster_spec is None:
+            raise
+        kept = (f"The newest checkpoint is {store.latest_path}." if store.latest_path
+                else "No checkpoint had been saved.")
+        raise WorkerLost(f"{tfpipe.cluster.describe_unavailable(err, cluster_spec)} {kept}") from None
     except Diverged as err:
         kept = (f"the newest checkpoint, {store.latest_path}, is the last one saved (its "
                 f"weights are finite) and --resume would continue from it"

@@ -23,11 +23,14 @@ dead one raises `UnavailableError` at once. `tfpipe.StepWatchdog` turns the
 first into an exit naming the task, and `describe_unavailable` the second
 into a message naming it.
 
-Run as a script (`python -P tfpipe/cluster.py --worker ...`, how
-`LocalCluster` starts its workers) this file is one worker: it starts its
-server, prints `READY <port>` and serves until its time limit passes, its
-parent process goes away, or it is killed. `-P` keeps `tfpipe/` off
-`sys.path` (its `profile.py` would shadow the standard library's).
+Run as a program this file is one worker: it starts its server, prints
+`READY <port>` and serves until its time limit passes, its parent process
+goes away, or it is killed. On each host of a real cluster:
+`TF_CONFIG=... python -m tfpipe.cluster --worker` (the cluster and the
+host's task index from TF_CONFIG). `LocalCluster` starts its workers as
+`python -P tfpipe/cluster.py --worker ...`, which skips importing the rest
+of tfpipe (and Keras); `-P` keeps `tfpipe/` off `sys.path` (its `profile.py`
+would shadow the standard library's).
 """
 
 import argparse
@@ -348,21 +351,31 @@ def _serve(cluster, task, time_limit_s, parent):
     print(f"READY {port}", flush=True)
     deadline = time.monotonic() + time_limit_s
     # Bounded: the time limit, or the parent gone (re-parented), whichever first.
-    while time.monotonic() < deadline and os.getppid() == parent:
+    while time.monotonic() < deadline and (parent is None or os.getppid() == parent):
         time.sleep(0.5)
     del server
     os._exit(0)  # the server's threads would keep the interpreter alive
 
 
 def _main(argv):
-    parser = argparse.ArgumentParser(description="One tfpipe.cluster worker process.")
+    parser = argparse.ArgumentParser(
+        description="One tfpipe.cluster worker: a tf.distribute.Server of job 'worker'. On "
+                    "each host of a cluster: python -m tfpipe.cluster --worker (the cluster "
+                    "and this host's task from TF_CONFIG, or --cluster and --task).")
     parser.add_argument("--worker", action="store_true", required=True)
-    parser.add_argument("--cluster", required=True, help="ClusterSpec as JSON")
-    parser.add_argument("--task", type=int, required=True)
-    parser.add_argument("--time_limit_s", type=float, required=True)
-    parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--cluster", help="ClusterSpec as JSON (default: TF_CONFIG's cluster)")
+    parser.add_argument("--task", type=int, help="this worker's index (default: TF_CONFIG's)")
+    parser.add_argument("--time_limit_s", type=float, default=float("inf"),
+                        help="exit after this many seconds (default: never)")
+    parser.add_argument("--parent", type=int, help="exit when this process is gone")
     args = parser.parse_args(argv)
-    _serve(json.loads(args.cluster), args.task, args.time_limit_s, args.parent)
+    tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    cluster = json.loads(args.cluster) if args.cluster else tf_config.get("cluster")
+    task = args.task if args.task is not None else tf_config.get("task", {}).get("index")
+    if not cluster or JOB not in cluster or task is None:
+        parser.error("give --cluster and --task, or set TF_CONFIG with the cluster's "
+                     "'worker' job and this host's task index")
+    _serve(cluster, task, args.time_limit_s, args.parent)
 
 
 if __name__ == "__main__":

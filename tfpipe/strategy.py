@@ -18,7 +18,11 @@ class PipelineStrategy(tf.distribute.Strategy):
     Args:
       devices: device names. Stage k goes on `devices[k]` (GPipe, 1F1B), or
         on `devices[k mod D]` with `Interleaved`. Default: all logical GPUs,
-        or all logical CPUs if there is no GPU.
+        or all logical CPUs if there is no GPU. A remote device names its
+        task (`"/job:worker/task:1/device:CPU:0"`; without the task it is
+        refused when several tasks have it). On a client connected to a
+        cluster there is no default (it would put stage 0 on the client):
+        pass `devices=tfpipe.cluster.worker_devices()`.
 
     The other arguments are the defaults of the models made in this scope
     (each model owns its `tfpipe.config.PipelineConfig`); None means the

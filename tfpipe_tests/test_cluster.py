@@ -359,5 +359,102 @@ def test_a_dead_worker_is_named_at_once():
     assert result["after_fault_s"] < 3.0  # at once: the next step fails
 
 
+# -- launch.train --cluster -------------------------------------------------------------
+
+RUN = ["--stages=2", "--microbatches=2", "--batch_size=32", "--epochs=2",
+       "--steps_per_epoch=40", "--checkpoint_every=5", "--notimeline"]
+
+
+class _Trainer:
+    """`python -m launch.train *flags` in its own session; stdout read line by line."""
+
+    def __init__(self, *flags):
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "launch.train", *RUN, *flags], cwd=REPO,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+        self.lines, self.pids, self.err = [], [], []
+        self._readers = [threading.Thread(target=self._read, daemon=True),
+                         threading.Thread(target=lambda: self.err.append(self.proc.stderr.read()),
+                                          daemon=True)]
+        for t in self._readers:
+            t.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if ", pid " in line:
+                self.pids.append(int(line.rsplit(", pid ", 1)[1].rstrip(")\n")))
+
+    def finish(self, timeout=CHILD_TIMEOUT):
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+            pytest.fail(f"launch.train overran {timeout} s")
+        finally:
+            for t in self._readers:
+                t.join(10)
+            time.sleep(1.0)
+            left = [p for p in self.pids if _alive(p)]
+            for p in left:
+                os.kill(p, signal.SIGKILL)
+            assert not left, f"workers left behind: {left} of {self.pids}"
+        return (self.proc.returncode, "".join(self.lines), "".join(self.err),
+                time.monotonic() - self.start)
+
+
+def _history(model_dir):
+    return json.loads((model_dir / "history.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("logical_cpus")
+    code, out, err, _ = _Trainer("--logical_cpus=2", f"--model_dir={model_dir}").finish()
+    assert code == 0, err[-3000:]
+    return _history(model_dir)
+
+
+@pytest.mark.slow
+def test_trainer_on_a_local_cluster_matches_logical_cpus(tmp_path, reference_run):
+    code, out, err, seconds = _Trainer("--cluster=local:2", "--step_timeout=30",
+                                       f"--model_dir={tmp_path}").finish()
+    print(f"--cluster=local:2 run: {seconds:.1f} s")
+    assert code == 0, err[-3000:]
+    assert "--cluster=local:2: this process is the client; stage devices:" in out
+    for k in range(2):
+        assert f"  stage {k} on /job:worker/replica:0/task:{k}/device:CPU:0 (127.0.0.1:" in out
+    assert _history(tmp_path) == reference_run  # every step's loss and metrics, exactly
+
+
+@pytest.mark.slow
+def test_trainer_watchdog_then_resume(tmp_path, reference_run):
+    timeout = 8.0
+    run = _Trainer("--cluster=local:2", f"--step_timeout={timeout:g}", f"--model_dir={tmp_path}")
+    manifest = tmp_path / "checkpoints" / "ckpt-10.manifest.json"
+    deadline = time.monotonic() + CHILD_TIMEOUT
+    while not manifest.exists() and run.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(run.pids) == 2 and run.proc.poll() is None, "".join(run.lines)
+    os.kill(run.pids[1], signal.SIGSTOP)
+    frozen = time.monotonic()
+    code, out, err, _ = run.finish()
+    ended = time.monotonic() - frozen
+    print(f"watchdog: exit {ended:.1f} s after SIGSTOP (timeout {timeout:g} s)")
+    assert code == 4, err[-3000:]
+    line = [l for l in err.splitlines() if l.startswith("tfpipe.StepWatchdog: ")][-1]
+    assert "/job:worker/task:1 (127.0.0.1:" in line and "process is stopped" in line
+    assert timeout <= ended <= timeout + 8.0
+    # The last checkpoint is intact: the run continues, on 2 logical CPUs, exactly.
+    code, out, err, _ = _Trainer("--logical_cpus=2", "--resume",
+                                 f"--model_dir={tmp_path}").finish()
+    assert code == 0, err[-3000:]
+    assert "Resuming from" in out
+    assert _history(tmp_path) == reference_run
+
+
 if __name__ == "__main__":
     CHILDREN[sys.argv[1]]()
