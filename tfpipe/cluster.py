@@ -134,8 +134,12 @@ def describe_unavailable(error, cluster=None, probe_timeout_s=2.0):
     which tasks do not answer their port now (`probe_task`), and what to do."""
     from tfpipe import watchdog  # pylint: disable=import-outside-toplevel
     addresses = task_addresses(cluster)
-    said = " ".join(line.strip() for line in str(error).splitlines()[:4]
-                    if line.strip() and line.strip() != "Graph execution error:")[:300]
+    # TensorFlow's text starts with "Graph execution error:" and node traces;
+    # the gRPC reason ("Connection reset by peer", "Socket closed") says more.
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    said = next((line for line in lines if any(
+        word in line for word in ("Connection", "Socket", "connect", "grpc_message"))),
+        type(error).__name__)[:300]
     states = {task: watchdog.probe_task(address, probe_timeout_s)
               for task, address in addresses.items()}
     lost = {t: s for t, s in states.items() if s != "ok"}

@@ -355,6 +355,8 @@ def test_a_dead_worker_is_named_at_once():
     assert result["error"] == "UnavailableError"
     assert "/job:worker/task:1 (127.0.0.1:" in result["message"]
     assert "refuses connections: the process is gone" in result["message"]
+    assert "TensorFlow said: " in result["message"] and (
+        "Connection" in result["message"] or "Socket" in result["message"])
     assert "task:0" not in result["message"].split("TensorFlow said")[0]
     assert result["after_fault_s"] < 3.0  # at once: the next step fails
 
