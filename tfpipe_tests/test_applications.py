@@ -152,7 +152,7 @@ def _tokens(n=16):
 
 @pytest.mark.parametrize("devices, setup", [
     (2, dict(num_microbatches=4)),
-    (4, dict(num_microbatches=4, schedule="1f1b")),
+    pytest.param(4, dict(num_microbatches=4, schedule="1f1b"), marks=pytest.mark.slow),
     pytest.param(4, dict(num_microbatches=4, execution="loop"), marks=pytest.mark.slow),
 ], ids=["2-stages-gpipe", "4-stages-1f1b", "4-stages-loop"])
 def test_keras_hub_gpt2_with_tied_embedding(devices, setup):

@@ -54,6 +54,7 @@ def test_ideal_speedups():
     assert schedules.valid("interleaved", 2, 4, layers=8)
 
 
+@pytest.mark.slow  # ~6-19 s each: a benchmark's own machinery, run in CI's slow step
 def test_measure_step_in_process():
     # conftest made 4 logical CPUs; the thread settings do not matter here.
     result = schedules.measure_step(2, 2, "gpipe", batch=16, width=8, layers=2, warmup=1,
@@ -92,6 +93,7 @@ def test_largest_model_search_finds_the_boundary(monkeypatch):
     assert len(calls) <= 8
 
 
+@pytest.mark.slow  # ~6-19 s each: a benchmark's own machinery, run in CI's slow step
 def test_run_suite_memory_in_children(tmp_path):
     build_md = tmp_path / "BUILD.md"
     build_md.write_text(f"## Benchmarks\n{common.BEGIN_MARKER}\n{common.END_MARKER}\ntail\n")
@@ -113,6 +115,7 @@ def test_run_suite_memory_in_children(tmp_path):
     assert "| always | 2 |" in text
 
 
+@pytest.mark.slow  # ~6-19 s each: a benchmark's own machinery, run in CI's slow step
 def test_child_errors_come_back_as_dicts():
     result = common.run_child("benchmarks.memory:measure_memory",
                               {"layers": 3, "width": 4, "batch": 8, "num_devices": 2},

@@ -41,6 +41,7 @@ def _compile(model):
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 
+@pytest.mark.slow  # ~14 s; launch.train --model=unet runs in the default suite
 def test_trains_in_four_stages_exactly_like_keras():
     keras.utils.set_random_seed(0)
     ref = unet_lib.unet()
