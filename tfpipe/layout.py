@@ -123,24 +123,19 @@ def load_model(path, balance=None, custom_objects=None, compile=True, **settings
                                              compile=compile)
             if not isinstance(loaded, model_lib.PipelinedModel):
                 # A plain Keras model (e.g. saved from to_keras): cut it here.
-                optimizer = loaded.optimizer if compile else None
-                loaded = _cut_plain(loaded, balance, settings, optimizer)
+                loaded = _cut_plain(loaded, balance, settings,
+                                    compiled=compile and loaded.optimizer is not None)
     finally:
         _LOAD_REQUEST.reset(token)
     return loaded
 
 
-def _cut_plain(plain, balance, settings, optimizer):
+def _cut_plain(plain, balance, settings, compiled):
     from tfpipe import model as model_lib  # pylint: disable=import-outside-toplevel
 
-    compile_config = plain.get_compile_config() if optimizer is not None else None
     pipelined = model_lib.PipelinedModel.from_model(plain, balance=balance, **settings)
-    if compile_config:
-        config = keras.saving.deserialize_keras_object(compile_config)
-        config.pop("jit_compile", None)
-        config["optimizer"] = _fresh_optimizer(optimizer)
-        pipelined.compile(**config)
-        _copy_optimizer_state(optimizer, pipelined.optimizer)
+    if compiled:
+        _compile_like(pipelined, plain)
     return pipelined
 
 
@@ -188,13 +183,8 @@ def to_keras(model, device=None, include_optimizer=True):
         raise ValueError(f"to_keras: the model contains tfpipe layers {foreign}, which "
                          f"plain Keras cannot load.")
     if include_optimizer and getattr(model, "compiled", False) and model.optimizer:
-        config = keras.saving.deserialize_keras_object(model.get_compile_config())
-        config.pop("jit_compile", None)
-        config["optimizer"] = _fresh_optimizer(model.optimizer)
         with tf.device(device) if device else contextlib.nullcontext():
-            plain.compile(**config)
-            plain.optimizer.build(plain.trainable_variables)
-        _copy_optimizer_state(model.optimizer, plain.optimizer)
+            _compile_like(plain, model)
     return plain
 
 
@@ -215,8 +205,18 @@ def _chain(model):
     return keras.Model(inputs, h, name=name)
 
 
-def _fresh_optimizer(optimizer):
-    return optimizer.__class__.from_config(optimizer.get_config())
+def _compile_like(target, source):
+    """Compiles `target` as `source` is compiled (loss, metrics, an optimizer
+    of the same config) and carries the optimizer state over. Both train the
+    same variables in the same order (a cut model builds its optimizer on
+    `trainable_variables` in its source model's order)."""
+    config = keras.saving.deserialize_keras_object(source.get_compile_config())
+    config.pop("jit_compile", None)
+    config["optimizer"] = source.optimizer.__class__.from_config(source.optimizer.get_config())
+    target.compile(**config)
+    if not target.optimizer.built:
+        target.optimizer.build(target.trainable_variables)
+    _copy_optimizer_state(source.optimizer, target.optimizer)
 
 
 def _copy_optimizer_state(source, target):
