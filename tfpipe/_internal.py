@@ -54,6 +54,10 @@ class PipelineExtended(distribute_lib._DefaultDistributionExtended):  # pylint: 
         with ops.device(var.device):
             return super()._update(var, fn, args, kwargs, group)
 
+    def _call_for_each_replica(self, fn, args, kwargs):
+        with _OneReplicaContext(self._container_strategy(), replica_id_in_sync_group=0):
+            return fn(*args, **kwargs)
+
     def variable_created_in_scope(self, v):
         return getattr(v, "_distribute_strategy", None) is self._container_strategy()
 
@@ -67,6 +71,18 @@ class PipelineExtended(distribute_lib._DefaultDistributionExtended):  # pylint: 
 
     def non_slot_devices(self, var_list):
         return self._pipeline_devices[0]
+
+
+class _OneReplicaContext(distribute_lib.ReplicaContext):
+    """One replica: an all-reduce (Keras' sum of the gradients) is the value
+    itself. The base class wraps it in a custom gradient whose IdentityN over
+    every gradient has no device, so the placer puts it on the client: with
+    stages on other tasks every gradient would travel to the client and back
+    (`benchmarks/multiprocess.py` measured 1.51x the local step time with it,
+    1.17x without, at M=1)."""
+
+    def all_reduce(self, reduce_op, value, options=None):
+        return value
 
 
 def adopt_optimizer(optimizer, strategy):

@@ -45,6 +45,29 @@ def test_strategy_is_a_tf_distribute_strategy_and_becomes_current():
     assert not tf.distribute.has_strategy()
 
 
+def test_one_replica_step_has_no_device_less_all_reduce():
+    """`PipelineExtended._call_for_each_replica`: Keras' gradient all-reduce
+    over the one replica adds no op (TF's base replica context would add an
+    IdentityN over every gradient, with no device)."""
+    strategy = tfpipe.PipelineStrategy(devices=["/device:CPU:0", "/device:CPU:1"])
+    with strategy.scope():
+        model = tfpipe.PipelinedModel([keras.layers.Dense(4), keras.layers.Dense(2)],
+                                      input_shape=(None, 3))
+        model.compile(optimizer="sgd", loss="mse")
+
+    @tf.function
+    def step(x, y):
+        return strategy.run(model.train_step, args=((x, y),))
+
+    graph = step.get_concrete_function(tf.TensorSpec([4, 3]), tf.TensorSpec([4, 2])).graph
+    ops = [op.type for op in graph.get_operations()]
+    assert "MatMul" in ops and "IdentityN" not in ops
+    with strategy.scope():
+        value = tf.constant(2.0)
+        assert strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+            "sum", value)) is value
+
+
 def test_seed_generators_found_in_nested_layers():
     stage = keras.Sequential([keras.layers.Dense(2), keras.layers.Dropout(0.1),
                               keras.Sequential([keras.layers.GaussianNoise(0.1)])])
