@@ -81,6 +81,7 @@ class TrainConfig:
     verbose: int | None = None  # None: 1 (progress bar) on a tty, else 2 (a line per epoch)
     cluster: str = ""  # "": this process's devices; "local:N": N worker processes; "tf_config"
     step_timeout: float = 0.0  # seconds; > 0: tfpipe.StepWatchdog (needs --cluster)
+    replicas: str = "1"  # "N": N data-parallel pipelines here; "tf_config": one per worker process
 
 
 # model name -> (the kind of data it takes, its default data set)
@@ -218,6 +219,23 @@ def _check_cluster(value):
             f"or empty (this process's own devices)")
 
 
+_REPLICA_COUNT = re.compile(r"[1-9][0-9]*")
+
+
+def _check_replicas(value):
+    if isinstance(value, str) and (value == "tf_config" or _REPLICA_COUNT.fullmatch(value)):
+        return None
+    return (f"unknown replicas {value!r}; valid choices: N >= 1 (N data-parallel copies "
+            f"of the pipeline in this process, on N x the pipeline's devices), or "
+            f"tf_config (this process is one replica of the TF_CONFIG cluster; every "
+            f"worker runs the same command)")
+
+
+def replica_count(replicas):
+    """N of --replicas=N; 1 for tf_config (each process holds one pipeline)."""
+    return 1 if replicas == "tf_config" else int(replicas)
+
+
 def _check_step_timeout(value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
             math.isfinite(value) and value >= 0):
@@ -282,6 +300,7 @@ FIELD_CHECKS = {
     "verbose": _check_verbose,
     "cluster": _check_cluster,
     "step_timeout": _check_step_timeout,
+    "replicas": _check_replicas,
 }
 
 
@@ -354,6 +373,26 @@ def _cluster_holds_the_stages(s):
     return None
 
 
+def _replicas_are_local(s):
+    if s["replicas"] != "1" and s["cluster"]:
+        return (f"--replicas={s['replicas']} with --cluster={s['cluster']}: data "
+                f"parallelism over stages on remote workers is not built. Use --cluster "
+                f"(one pipeline over the workers) or --replicas (pipelines here, or one "
+                f"per TF_CONFIG worker process), not both.")
+    if s["replicas"] == "tf_config":
+        raw = os.environ.get("TF_CONFIG")
+        try:
+            task = json.loads(raw).get("task", {}) if raw else None
+        except (ValueError, AttributeError):
+            task = None
+        if not task or "index" not in task:
+            return ("--replicas=tf_config: every worker process runs this command with "
+                    "its own TF_CONFIG, which must name the cluster and this process's "
+                    "task, e.g. TF_CONFIG='{\"cluster\": {\"worker\": [\"host0:port\", "
+                    "\"host1:port\"]}, \"task\": {\"type\": \"worker\", \"index\": 0}}'.")
+    return None
+
+
 def _watchdog_watches_a_cluster(s):
     if s["step_timeout"] and not s["cluster"]:
         return (f"--step_timeout={s['step_timeout']:g} watches the workers of --cluster, "
@@ -370,6 +409,7 @@ CROSS_CHECKS = [
     (("execution", "recompute"), _loop_recomputes),
     (("cluster", "stages", "schedule"), _cluster_holds_the_stages),
     (("step_timeout", "cluster"), _watchdog_watches_a_cluster),
+    (("replicas", "cluster"), _replicas_are_local),
 ]
 
 

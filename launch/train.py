@@ -27,6 +27,9 @@ a bad flag or a busy directory is one line, at once. Exit codes: 0 done;
     python -m launch.train --cluster=local:2 --stages=2 --step_timeout=60
     TF_CONFIG='{"cluster": {"worker": ["host0:2222", "host1:2222"]}}' \
         python -m launch.train --cluster=tf_config --stages=2
+    python -m launch.train --replicas=2 --stages=2 --logical_cpus=4   # 2 x 2 grid
+    TF_CONFIG='{"cluster": {"worker": ["h0:2222", "h1:2222"]}, "task": {"type": "worker", "index": K}}' \
+        python -m launch.train --replicas=tf_config --stages=2   # on host K, K = 0, 1
 
 TensorFlow starts quietly: TF_CPP_MIN_LOG_LEVEL is 2 unless the user set it
 (errors still show), and the messages TensorFlow's C++ libraries print while
@@ -187,6 +190,12 @@ flags.DEFINE_string("cluster", _DEFAULTS.cluster,
                     "the single client): local:N starts N worker processes on 127.0.0.1, "
                     "tf_config connects to the workers in the TF_CONFIG environment variable. "
                     "Stage k runs on /job:worker/task:k. Empty: this process's devices.")
+flags.DEFINE_string("replicas", _DEFAULTS.replicas,
+                    "Data parallel x pipeline. N: N copies of the pipeline in this process "
+                    "(N x the pipeline's devices), each on 1/N of every batch. tf_config: "
+                    "this process is one replica of the cluster in TF_CONFIG (every worker "
+                    "runs the same command with its own task; each writes its own "
+                    "--model_dir). --batch_size is the global batch.")
 flags.DEFINE_float("step_timeout", _DEFAULTS.step_timeout,
                    "With --cluster: seconds a step may stall before every worker's port is "
                    "probed; a frozen or dead worker ends the run with exit code 4, naming "

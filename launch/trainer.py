@@ -132,26 +132,38 @@ class StepTimer(keras.callbacks.Callback):
 
 
 def _stage_devices(config):
-    """The pipeline's devices: logical GPUs if there are enough, else logical CPUs."""
-    needed = config_lib.num_devices(config)
+    """The pipelines' devices (--replicas=N rows of them, in order): logical
+    GPUs if there are enough, else logical CPUs."""
+    needed = config_lib.num_devices(config) * config_lib.replica_count(config.replicas)
     gpus = tfpipe.placement.available_devices("GPU")
     pool = gpus if len(gpus) >= needed else tfpipe.placement.available_devices("CPU")
     if needed > len(pool):
         raise RunError(
-            f"--stages={config.stages} with --schedule={config.schedule} needs {needed} "
-            f"devices; there are {len(pool)}: {pool}. Use --logical_cpus >= {needed} on "
-            f"a CPU machine.")
+            f"--stages={config.stages} with --schedule={config.schedule}"
+            f"{_replicas_phrase(config)} needs {needed} devices; there are {len(pool)}: "
+            f"{pool}. Use --logical_cpus >= {needed} on a CPU machine.")
     return pool[:needed]
+
+
+def _replicas_phrase(config):
+    return "" if config.replicas in ("1", "tf_config") else f" and --replicas={config.replicas}"
 
 
 def pipeline_strategy(config, devices=None):
     """The run's `tfpipe.PipelineStrategy`: its devices (default
-    `_stage_devices(config)`) and pipeline settings. `launch.plan` uses it too."""
+    `_stage_devices(config)`), replicas and pipeline settings. `launch.plan`
+    uses it too. With --replicas=tf_config it starts this worker's server:
+    call it before any TensorFlow op."""
+    settings = dict(num_microbatches=config.microbatches, schedule=config.schedule,
+                    execution=config.execution,
+                    recompute=None if config.recompute == "auto" else config.recompute)
+    if config.replicas == "tf_config":
+        return tfpipe.PipelineStrategy(
+            cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver(),
+            **settings)
     return tfpipe.PipelineStrategy(
         devices=_stage_devices(config) if devices is None else devices,
-        num_microbatches=config.microbatches, schedule=config.schedule,
-        execution=config.execution,
-        recompute=None if config.recompute == "auto" else config.recompute)
+        num_replicas=config_lib.replica_count(config.replicas), **settings)
 
 
 def _cluster_devices(config):
@@ -289,19 +301,27 @@ def train(config, callbacks=()):
             "launch.train logs to TensorBoard, which is not installed: "
             "pip install -e '.[train]' (or tensorboard)"
         )
-    needed = config_lib.num_devices(config)
+    needed = config_lib.num_devices(config) * config_lib.replica_count(config.replicas)
     if (not config.cluster and not tf.config.list_physical_devices("GPU")
             and needed > config.logical_cpus):
         raise RunError(
-            f"--stages={config.stages} with --schedule={config.schedule} needs "
-            f"{needed} devices, but --logical_cpus={config.logical_cpus} (and there is no "
+            f"--stages={config.stages} with --schedule={config.schedule}"
+            f"{_replicas_phrase(config)} needs {needed} devices, but --logical_cpus={config.logical_cpus} (and there is no "
             f"GPU). Use --logical_cpus={needed}.")
     # A no-op when the process already has this many logical CPUs (e.g. a test's
     # conftest called it); must precede every TensorFlow op.
     tfpipe.testing.use_logical_cpus(config.logical_cpus)
-    cluster_spec = pids = None
+    cluster_spec = pids = strategy = None
     if config.cluster:  # after the logical CPUs (fixed once connected), before any op
         cluster_spec, devices, pids = _cluster_devices(config)
+    elif config.replicas == "tf_config":
+        # Starts this worker's server: after the logical CPUs, before any op.
+        strategy = pipeline_strategy(config)
+        devices = strategy.devices
+        task = strategy.extended.worker_task
+        print(f"--replicas=tf_config: {task} is replica {int(task.rsplit(':', 1)[1])} of "
+              f"{strategy.num_replicas_in_sync}; its pipeline runs on {list(devices)}.",
+              flush=True)
     else:
         devices = _stage_devices(config)
     keras.utils.set_random_seed(config.seed)
@@ -334,7 +354,7 @@ def train(config, callbacks=()):
     else:
         _clear_outputs(model_dir)
 
-    strategy = pipeline_strategy(config, devices)
+    strategy = strategy or pipeline_strategy(config, devices)
     if cluster_spec is not None:
         _print_stage_devices(config, strategy, cluster_spec, pids)
     with strategy.scope():

@@ -16,7 +16,11 @@ import contextlib
 import keras
 import tensorflow as tf
 from keras.src.backend.common import masking as keras_masking
+from tensorflow.python.distribute import collective_all_reduce_strategy
+from tensorflow.python.distribute import collective_util
+from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util
 
@@ -83,6 +87,90 @@ class _OneReplicaContext(distribute_lib.ReplicaContext):
 
     def all_reduce(self, reduce_op, value, options=None):
         return value
+
+
+class _Column:
+    """The devices one stage's mirrored variable lives on, in the form
+    `MirroredExtended._create_variable` reads from a `colocate_with`."""
+
+    def __init__(self, devices):
+        self._devices = tuple(devices)
+
+
+class PipelineGridExtended(mirrored_strategy.MirroredExtended):
+    """`StrategyExtended` of R data-parallel pipelines on a device grid.
+
+    `grid[r][k]` is the device of pipeline slot k in replica r. Replica r runs
+    on row r (its inputs arrive on `grid[r][0]`). A variable created under
+    `tf.device(grid[r][k])` is mirrored over column k (one copy per replica,
+    copy r on `grid[r][k]`), and so are its optimizer slots (they are created
+    colocated with it); one created anywhere else is mirrored over column 0.
+    Gradients are all-reduced per variable over its column, and each copy is
+    updated on its own device: TF's mirrored machinery, with the per-column
+    placement as the only change.
+    """
+
+    def __init__(self, container_strategy, grid):
+        self._grid = tuple(tuple(row) for row in grid)
+        self._column_of = {device_util.canonicalize(d): k
+                           for row in self._grid for k, d in enumerate(row)}
+        super().__init__(container_strategy, devices=[row[0] for row in self._grid])
+
+    def _create_variable(self, next_creator, **kwargs):
+        if kwargs.get("colocate_with") is None:
+            current = device_util.current()
+            k = self._column_of.get(device_util.canonicalize(current)) if current else None
+            kwargs["colocate_with"] = _Column(row[k or 0] for row in self._grid)
+        return super()._create_variable(next_creator, **kwargs)
+
+
+class PipelineMultiWorkerExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
+    """`StrategyExtended` of one pipeline per worker process (multi-client).
+
+    Every process of a `TF_CONFIG` cluster runs the same program; each is one
+    data-parallel replica whose pipeline runs on its own local devices. A
+    variable created under `tf.device(<local device>)` lives on that device
+    of this worker (one copy per worker); gradients and metrics are summed
+    over the workers by TF's collective ops, which run on each worker's first
+    device in one order, and each copy is updated where it lives. Initial
+    values are broadcast from the chief, as in `MultiWorkerMirroredStrategy`.
+    """
+
+    def __init__(self, container_strategy, cluster_resolver):
+        super().__init__(container_strategy, cluster_resolver=cluster_resolver,
+                         communication_options=collective_util.Options())
+
+    @property
+    def worker_task(self):
+        """This process's task, `/job:<type>/task:<index>`."""
+        return self._worker_device
+
+    @property
+    def num_workers(self):
+        return self._num_workers
+
+    def _create_variable(self, next_creator, **kwargs):
+        if kwargs.get("colocate_with") is None:
+            current = device_util.current()
+            spec = tf.DeviceSpec.from_string(current) if current else None
+            if spec is not None and spec.device_type:
+                kwargs["colocate_with"] = _Column([
+                    f"{self._worker_device}/device:{spec.device_type}:{spec.device_index or 0}"])
+        return super()._create_variable(next_creator, **kwargs)
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        # Keras' symbolic build reduces a whole (nested) data batch; the
+        # collective implementation takes one value at a time.
+        reduce_one = super()._reduce_to
+        return tf.nest.map_structure(
+            lambda v: reduce_one(reduce_op, v, destinations, options), value)
+
+
+def local_copies(variable):
+    """The per-replica storage of a (Keras or TF) variable: one tensor-like
+    per replica for a mirrored variable, else the variable itself."""
+    value = variable.value if isinstance(variable, keras.Variable) else variable
+    return tuple(getattr(value, "values", (value,)))
 
 
 def adopt_optimizer(optimizer, strategy):

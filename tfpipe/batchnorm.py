@@ -63,8 +63,22 @@ def batch_norm_layers(stage):
             if isinstance(layer, keras.layers.BatchNormalization)]
 
 
-def check_layers(stages, batch_norm):
-    """Raises ValueError for layers deferred mode cannot handle (renorm)."""
+def check_layers(stages, batch_norm, num_replicas=1):
+    """Raises ValueError for layers deferred mode cannot handle (renorm), and
+    for any BatchNormalization under data-parallel replicas."""
+    if num_replicas > 1:
+        for k, stage in enumerate(stages):
+            for layer in batch_norm_layers(stage):
+                # Each replica would normalise with its own rows' moments and
+                # update the moving statistics with them: not plain Keras on
+                # the global batch, and cross-replica moments are not built.
+                raise ValueError(
+                    f"Layer {layer.name!r} (stage {k}) is a BatchNormalization, and "
+                    f"the strategy has num_replicas={num_replicas} data-parallel "
+                    f"replicas: tfpipe does not compute batch statistics across "
+                    f"replicas, so training would differ from plain Keras. Use one "
+                    f"replica (num_replicas=1, a flat device list), or a model without "
+                    f"BatchNormalization (e.g. LayerNormalization).")
     if batch_norm != "deferred":
         return
     for k, stage in enumerate(stages):

@@ -25,6 +25,7 @@ from tfpipe import devices as devices_lib
 from tfpipe import gradients as gradients_lib
 from tfpipe import loop
 from tfpipe import recompute as recompute_lib
+from tfpipe import replicas
 from tfpipe import runtime
 from tfpipe import schedules
 from tfpipe import unrolled
@@ -190,8 +191,11 @@ class Pipeline:
 
     def add_regularization(self, variables, grads, scale):
         """Adds each weight regulariser's gradient, once per step; returns
-        the summed regularisation loss (None without regularisers)."""
+        the summed regularisation loss (None without regularisers). With R
+        data-parallel replicas each adds 1/R of it (their gradients are summed)."""
         total = []
+        share = 1.0 / replicas.num_replicas()
+        scale = scale * share
         for i, v in enumerate(variables):
             regularizer = getattr(v, "regularizer", None)
             if regularizer is None:
@@ -201,7 +205,7 @@ class Pipeline:
                     value = tf.cast(regularizer(v), tf.float32)
                     target = value * scale
                 grads[i] = gradients_lib.add_gradients(grads[i], tape.gradient(target, v))
-                total.append(value)
+                total.append(value * share)
         return runtime.sum_or_none(total)
 
     def commit_batch_norm(self, recorder, before, sites_per_stage, batch):

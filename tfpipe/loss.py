@@ -48,6 +48,7 @@ import keras
 import tensorflow as tf
 
 from tfpipe import _internal
+from tfpipe import replicas
 
 SUM = "sum"          # D = 1: numerators add up
 ROWS = "rows"        # D = N * elements per row, known before the step
@@ -192,12 +193,14 @@ class LossSplit:
 
     def batch_values(self, y_true, y_pred, sample_weight):
         """(total data loss, [L_j]) of a whole batch in one piece, as Keras
-        computes it (evaluation: no micro-batch split is needed)."""
+        computes it (evaluation: no micro-batch split is needed). With
+        data-parallel replicas: this replica's share of the global batch's."""
         self.build(y_true, y_pred)
         per_term, total = [], tf.zeros((), tf.float32)
         for term, (s, d, _) in zip(self.terms, self.parts(y_true, y_pred, sample_weight)):
             s = tf.cast(s, tf.float32)
-            value = s if d is None else tf.math.divide_no_nan(s, tf.cast(d, tf.float32))
+            d = None if d is None else replicas.sum_over_replicas(tf.cast(d, tf.float32))
+            value = s if d is None else tf.math.divide_no_nan(s, d)
             per_term.append(value)
             weight = 1.0 if term.weight is None else float(term.weight)
             total = total + value * weight
@@ -294,32 +297,43 @@ class Plan:
 
     Args:
       split: the `LossSplit`, built and classified.
-      num_rows: N, the batch's rows (int32 scalar tensor).
+      num_rows: N, the rows of the global batch (int32 scalar tensor; with
+        data-parallel replicas each step holds a share of them).
       forwards_first: whether the schedule runs every forward of the last
         stage before its first backward (GPipe does).
       call_losses: whether any stage adds losses while it runs.
+      in_loop: whether the backward passes are traced inside a
+        `tf.while_loop` (the loop execution), where a count cannot be summed
+        over data-parallel replicas.
 
     Raises:
       ValueError: a counted term cannot be seeded exactly under this schedule.
     """
 
-    def __init__(self, split, num_rows, forwards_first, call_losses):
+    def __init__(self, split, num_rows, forwards_first, call_losses, in_loop=False):
         self.split = split
         self.terms = split.terms
         self._rows = tf.cast(num_rows, tf.float32)
         counted = split.counted
+        # A sum over replicas is a synchronisation point, which TF's
+        # distribution machinery refuses inside a while loop's body.
+        late = not forwards_first or (in_loop and replicas.num_replicas() > 1)
         # Deferred: seed with the weight alone; divide every gradient by D at the end.
-        self.deferred = bool(counted) and not forwards_first
+        self.deferred = bool(counted) and late
         if self.deferred and (len(self.terms) > 1 or call_losses):
             names = [t.describe() for t in counted]
+            when = ("this schedule starts backward passes before that" if not forwards_first
+                    else "with data-parallel replicas the loop execution cannot sum it over "
+                         "the replicas before its backward passes")
+            fix = ("schedule='gpipe' (every forward before the first backward)"
+                   if not forwards_first else "execution='unrolled'")
             raise ValueError(
                 f"Loss {names} is averaged over the elements its mask or sample "
                 f"weights leave (e.g. masked tokens, ignore_class), a count known only "
-                f"after every micro-batch's forward pass; this schedule starts "
-                f"backward passes before that, and with "
+                f"after every micro-batch's forward pass; {when}, and with "
                 f"{'several compiled losses' if len(self.terms) > 1 else 'losses added by layers during the call'} "
-                f"the gradients cannot be rescaled afterwards. Use schedule='gpipe' "
-                f"(every forward before the first backward), or reduction='sum'.")
+                f"the gradients cannot be rescaled afterwards. Use {fix}, or "
+                f"reduction='sum'.")
 
     @staticmethod
     def _weight(term):
@@ -330,7 +344,8 @@ class Plan:
             return None
         if term.kind == ROWS:
             return self._rows * float(term.per_row)
-        return counted_sum
+        # This replica's count: the divisor is the global batch's.
+        return replicas.sum_over_replicas(tf.cast(counted_sum, tf.float32))
 
     def seeds(self, divisor_sums):
         """Per term, the float32 seed of its numerator in every micro-batch's
@@ -338,8 +353,8 @@ class Plan:
         unused; may be None)."""
         out = []
         for term, counted_sum in zip(self.terms, divisor_sums):
-            divisor = self._divisor(term, counted_sum)
-            if divisor is None or self.deferred:
+            divisor = None if self.deferred else self._divisor(term, counted_sum)
+            if divisor is None:
                 out.append(tf.constant(self._weight(term), tf.float32))
             else:
                 out.append(tf.math.divide_no_nan(self._weight(term), tf.cast(divisor, tf.float32)))
@@ -349,8 +364,9 @@ class Plan:
         """The factor every accumulated data gradient is multiplied by (None: 1)."""
         if not self.deferred:
             return None
-        return tf.math.divide_no_nan(1.0, tf.cast(divisor_sums[self.terms.index(self.split.counted[0])],
-                                                  tf.float32))
+        term = self.split.counted[0]
+        return tf.math.divide_no_nan(
+            1.0, self._divisor(term, divisor_sums[self.terms.index(term)]))
 
     def values(self, numerator_sums, divisor_sums):
         """(total data loss, [L_j per term]) for the step, as Keras reports them."""

@@ -24,6 +24,7 @@ scalar tensor (the loop step), from the same `Split`.
 import tensorflow as tf
 
 from tfpipe import _internal
+from tfpipe import replicas
 
 
 def _leaves(structure):
@@ -65,6 +66,9 @@ class Split:
     Attributes:
       num_microbatches: M.
       num_rows: N, an int32 scalar tensor.
+      total_rows: the rows of the whole global batch when this batch is
+        one data-parallel replica's share of it (int32 scalar tensor; N
+        with one replica). Shares (`fraction`) are relative to it.
       static_rows: N when known while tracing, else None.
       static_size: the rows of every micro-batch when N is static and a
         multiple of M (then shapes stay static), else None.
@@ -78,6 +82,7 @@ class Split:
         for t in leaves:
             _check_leaf(t, name)
         self.num_rows = _rows(leaves[0])
+        self.total_rows = self.num_rows
         self.static_rows = _static_rows(leaves[0])
         m = self.num_microbatches
         if self.static_rows is not None and self.static_rows % m == 0:
@@ -114,9 +119,10 @@ class Split:
         return m * self._base + tf.minimum(m, self._extra)
 
     def fraction(self, m):
-        """Micro-batch m's share of the batch, rows / N (float32 scalar; 0 if N = 0)."""
+        """Micro-batch m's share of the (global) batch, rows / `total_rows`
+        (float32 scalar; 0 if there are no rows)."""
         return tf.math.divide_no_nan(tf.cast(self.size(m), tf.float32),
-                                     tf.cast(self.num_rows, tf.float32))
+                                     tf.cast(self.total_rows, tf.float32))
 
     def real(self, m):
         """1.0 if micro-batch m has rows, 0.0 if it stands in for an empty one."""
@@ -204,6 +210,8 @@ class Batch:
     def __init__(self, x, y=None, sample_weight=None, num_microbatches=1):
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.split = Split(x, num_microbatches, "the inputs (x)")
+        # This replica's rows within the global batch (tfpipe.replicas).
+        self.split.total_rows = replicas.sum_over_replicas(self.split.num_rows)
         for name, part in (("the labels (y)", y), ("the sample weights", sample_weight)):
             for t in _leaves(part):
                 _check_leaf(t, name)

@@ -35,6 +35,7 @@ from tfpipe import loss as loss_lib
 from tfpipe import microbatch
 from tfpipe import partition
 from tfpipe import placement
+from tfpipe import replicas
 from tfpipe import schedules
 from tfpipe import strategy as strategy_lib
 from tfpipe import xla
@@ -192,9 +193,16 @@ class PipelinedModel(keras.Model):
         self._pipeline_config = config
         # The D devices the schedule runs on; stage k lives on stage_devices[k].
         self.pipeline_devices, self.stage_devices = devices, stage_devices
-        self.pipeline = engine.Pipeline(self.stages, devices, config)
+        # One pipeline per data-parallel replica (row of the device grid),
+        # all running the same stages; replica 0's is `self.pipeline`.
+        self.replica_pipelines = [
+            engine.Pipeline(self.stages, strategy.pipeline_devices(
+                len(self.stages), config.schedule, replica=r)[0], config)
+            for r in range(len(strategy.device_grid))]
+        self.pipeline = self.replica_pipelines[0]
         if self.built:
-            batchnorm.check_layers(self.stages, config.batch_norm)
+            batchnorm.check_layers(self.stages, config.batch_norm,
+                                  self._distribute_strategy.num_replicas)
         # Steps traced for the old configuration must not be reused.
         self.train_function = self.test_function = self.predict_function = None
 
@@ -354,14 +362,20 @@ class PipelinedModel(keras.Model):
                             f"{err}") from err
                     h = h_next
                     outputs.append(h)
-            placement.place_variables(self.stages, self.stage_devices)
-            for k, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
+            # Stage k's column: its device in each data-parallel replica.
+            columns = [[p.devices[p.stage_device[k]] for p in self.replica_pipelines]
+                       for k in range(len(self.stages))]
+            if len(self.replica_pipelines) == 1:
+                columns = list(self.stage_devices)
+            placement.place_variables(self.stages, columns)
+            for k, stage in enumerate(self.stages):
                 own = [v for v in stage.variables
                        if not any(v is w for s in self.stages[:k] for w in s.variables)]
-                bad = placement.misplaced_variables(own, device)
+                bad = placement.misplaced_variables(own, columns[k])
                 if bad:
                     raise RuntimeError(f"tfpipe placement bug: stage {k} variables {bad[:3]}.")
-            batchnorm.check_layers(self.stages, self.batch_norm)
+            batchnorm.check_layers(self.stages, self.batch_norm,
+                                  self._distribute_strategy.num_replicas)
             self._stage_outputs = outputs
         if self._source is not None:
             # Its traced functions (if any) hold the variables' old storage.
@@ -439,11 +453,18 @@ class PipelinedModel(keras.Model):
         self._build_optimizer()
 
     def _check_batch(self, batch_size, x, what):
-        m = self.num_microbatches
+        m, r = self.num_microbatches, self._distribute_strategy.num_replicas
         if self.execution == "loop" and getattr(self, "_jit_compile", None) is True:
             xla.check_static_batch(x, batch_size, m, what,
                                    "execution='loop' under jit_compile=True")
         for size in (_keras_batch_size(batch_size, x), _dataset_batch_size(x)):
+            if size is not None and r > 1 and size < m * r:
+                raise ValueError(
+                    f"{what}: batch size {size} is split over num_replicas={r} "
+                    f"data-parallel replicas of num_microbatches={m} micro-batches each, "
+                    f"so some micro-batches would be empty. Use a global batch size of "
+                    f"at least {m * r} (a multiple of {m * r} keeps every micro-batch "
+                    f"the same size).")
             if size is not None and size < m:
                 raise ValueError(
                     f"{what}: batch size {size} is smaller than num_microbatches={m}, "
@@ -529,14 +550,23 @@ class PipelinedModel(keras.Model):
 
     def _update_metrics(self, batch, y_pred, loss, split, term_values):
         # Once, on the whole batch's outputs: identical to a full-batch update
-        # for every metric (AUC and unweighted metrics included).
+        # for every metric (AUC and unweighted metrics included). With
+        # data-parallel replicas `loss` and `term_values` are this replica's
+        # shares of the global batch's: the trackers record the global values
+        # weighted by this replica's rows, so they sum to plain Keras' update.
+        loss, term_values = replicas.sum_over_replicas((loss, list(term_values)))
         self._loss_tracker.update_state(loss, sample_weight=batch.split.num_rows)
         y_true = batch.y
         for metric, value, term in zip(split.trackers, term_values, split.terms):
             _, arranged, _ = split.arrange(y_true, y_pred, None)
             y_p = loss_lib.resolve(term.path, arranged)
             metric.update_state(value, sample_weight=keras.tree.flatten(y_p)[0].shape[0])
-        return self.compute_metrics(batch.x, batch.y, y_pred, sample_weight=batch.sample_weight)
+        logs = self.compute_metrics(batch.x, batch.y, y_pred, sample_weight=batch.sample_weight)
+        if replicas.num_replicas() == 1:
+            return logs
+        # Each replica's metric state holds its own rows; the results of the
+        # global batch read the state summed over the replicas (and workers).
+        return replicas.across_replicas(self.get_metrics_result)
 
     def _check_gradients(self, grads):
         """Raises ValueError naming every trainable variable no gradient reached."""
@@ -563,9 +593,10 @@ class PipelinedModel(keras.Model):
         batch = self._batch(data)
         split = loss_lib.LossSplit(self._compile_loss)
         scale = self.optimizer.scale_loss if self.optimizer is not None else None
-        result = self.pipeline.train(batch, split, scale)
+        pipeline = self.replica_pipelines[replicas.replica_index()]
+        result = pipeline.train(batch, split, scale)
         self._check_gradients(result.grads)
-        pairs = list(zip(result.grads, self.pipeline.variables))
+        pairs = list(zip(result.grads, pipeline.variables))
         if pairs:
             self.optimizer.apply_gradients(pairs)
         return self._update_metrics(batch, result.y_pred, result.loss, split,
@@ -574,13 +605,15 @@ class PipelinedModel(keras.Model):
     def _regularization_loss(self):
         values = [tf.cast(v.regularizer(v), tf.float32) for v in self.pipeline.variables
                   if getattr(v, "regularizer", None) is not None]
-        return tf.add_n(values) if values else None
+        # Once per step: each of the R replicas reports its 1/R share.
+        return tf.add_n(values) / replicas.num_replicas() if values else None
 
     def test_step(self, data):
         batch = self._batch(data)
         split = loss_lib.LossSplit(self._compile_loss)
-        y_pred, call_loss = self.pipeline.forward(batch, training=False)
-        with devices_lib.scope(self.stage_devices[-1]):
+        pipeline = self.replica_pipelines[replicas.replica_index()]
+        y_pred, call_loss = pipeline.forward(batch, training=False)
+        with devices_lib.scope(pipeline.devices[pipeline.stage_device[-1]]):
             data_loss, term_values = split.batch_values(batch.y, y_pred, batch.sample_weight)
             terms = [data_loss] + [t for t in (call_loss, self._regularization_loss())
                                    if t is not None]
@@ -591,7 +624,8 @@ class PipelinedModel(keras.Model):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         if self._source is not None:
             x = self._source.graph.standardize_inputs(x)
-        y_pred, _ = self.pipeline.forward(microbatch.Batch(x, None, None, self.num_microbatches))
+        pipeline = self.replica_pipelines[replicas.replica_index()]
+        y_pred, _ = pipeline.forward(microbatch.Batch(x, None, None, self.num_microbatches))
         return y_pred
 
     # -- description and serialisation ----------------------------------
@@ -619,6 +653,12 @@ class PipelinedModel(keras.Model):
             shape = "" if outputs[i] is None else _describe_shapes(outputs[i])
             lines.append(f"{i:<7}{stage.name:<24}{device:<46}{n_layers:>7}{params:>12,}  "
                          f"{shape}")
+        if len(self.replica_pipelines) > 1:
+            lines.append(
+                f"Data parallel: {len(self.replica_pipelines)} replicas; the devices above "
+                f"are replica 0's, replica r runs stage k on " + "; ".join(
+                    f"r={r}: {[p.devices[d] for d in p.stage_device]}"
+                    for r, p in enumerate(self.replica_pipelines) if r))
         if self.balance is not None:
             how = ("as given to from_model" if self.balance_method == "explicit"
                    else f"from_model, by {self.balance_method}")

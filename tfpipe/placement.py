@@ -56,6 +56,12 @@ def same_device(a, b):
     return _full_spec(a) == _full_spec(b)
 
 
+def same_task(device, task):
+    """Whether `device` is on `task` (`"/job:worker/task:1"`): same job,
+    replica and task."""
+    return _full_spec(device)[:3] == _full_spec(task)[:3]
+
+
 def canonical_device(name):
     """Resolves a device string to the name TensorFlow lists for that device.
 
@@ -112,16 +118,27 @@ def device_of(variable):
 
 def misplaced_variables(variables, device):
     """Paths of those `variables` not stored on `device` (job, replica, task,
-    type and index: a stage-1 variable on another task's CPU:0 is misplaced)."""
+    type and index: a stage-1 variable on another task's CPU:0 is misplaced).
+
+    `device` may be a list of R devices, one per data-parallel replica: then
+    each variable must be mirrored with copy r on `device[r]`.
+    """
+    wanted = list(device) if isinstance(device, (list, tuple)) else [device]
     bad = []
     for v in variables:
-        if not same_device(device_of(v), device):
-            bad.append(f"{getattr(v, 'path', v.name)} on {device_of(v)}")
+        have = [c.device for c in _internal.local_copies(v)]
+        if len(have) != len(wanted) or not all(map(same_device, have, wanted)):
+            where = have[0] if len(have) == 1 else have
+            bad.append(f"{getattr(v, 'path', v.name)} on {where}")
     return bad
 
 
 def place_variables(stages, stage_devices):
     """Puts every variable of every stage on its stage's device.
+
+    `stage_devices[k]` is a device, or a list of R devices (stage k's column
+    of a data-parallel grid): the variable is then mirrored, copy r on
+    `stage_devices[k][r]` (created under the grid strategy's scope).
 
     A variable used by several stages (a shared layer, a tied embedding)
     lives on the device of the first stage that uses it. Variables already
@@ -138,6 +155,7 @@ def place_variables(stages, stage_devices):
             if id(v) in homes:
                 continue
             homes[id(v)] = k
-            if not same_device(device_of(v), device):
-                _internal.move_variable(v, device)
+            if misplaced_variables([v], device):
+                first = device[0] if isinstance(device, (list, tuple)) else device
+                _internal.move_variable(v, first)
     return homes

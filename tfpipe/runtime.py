@@ -135,8 +135,9 @@ class Step:
         self.variables, self.stage_vars, _ = pipeline.variable_table()
         if not self.backward_step:
             return
-        self.plan = loss_lib.Plan(split, batch.split.num_rows, forwards_first(order),
-                                  any(i.call_losses for i in self.interfaces))
+        self.plan = loss_lib.Plan(split, batch.split.total_rows, forwards_first(order),
+                                  any(i.call_losses for i in self.interfaces),
+                                  in_loop=pipeline.config.execution == "loop")
         self.scale = tf.cast((scale_loss or (lambda v: v))(tf.constant(1.0)), tf.float32)
         self.bn_before = self.recorder.before_step()
 

@@ -68,6 +68,32 @@ def test_one_replica_step_has_no_device_less_all_reduce():
             "sum", value)) is value
 
 
+def test_grid_strategy_mirrors_each_variable_over_its_column():
+    """`PipelineGridExtended` (TF's private `MirroredExtended`): a variable made
+    under a grid device is mirrored over that device's column; one made
+    elsewhere over column 0; a colocated one (a slot) next to its variable's
+    copies; `local_copies` lists them."""
+    strategy = tfpipe.PipelineStrategy(num_replicas=2)
+    assert isinstance(strategy.extended, _internal.PipelineGridExtended)
+
+    def copies(v):
+        return [c.device.split("/")[-1] for c in _internal.local_copies(v)]
+
+    with strategy.scope():
+        with tf.device("/device:CPU:3"):
+            v = tf.Variable(1.0)
+        unplaced = tf.Variable(2.0)
+        with strategy.extended.colocate_vars_with(v):
+            slot = tf.Variable(0.0)
+        layer = keras.layers.Dense(2)
+        layer.build((None, 3))
+        _internal.move_variable(layer.kernel, "/device:CPU:1")
+    assert copies(v) == copies(slot) == ["device:CPU:1", "device:CPU:3"]
+    assert copies(unplaced) == ["device:CPU:0", "device:CPU:2"]
+    assert copies(layer.kernel) == ["device:CPU:1", "device:CPU:3"]
+    assert copies(tf.Variable(0.0)) == ["device:CPU:0"]
+
+
 def test_seed_generators_found_in_nested_layers():
     stage = keras.Sequential([keras.layers.Dense(2), keras.layers.Dropout(0.1),
                               keras.Sequential([keras.layers.GaussianNoise(0.1)])])

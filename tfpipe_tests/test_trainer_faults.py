@@ -604,6 +604,20 @@ BAD_FLAGS = [
     ("--reshard --stages=2", "flags reshard=True, resume=False: --reshard changes the stage "
                              "layout of a resumed run; it needs --resume (a fresh run takes "
                              "any --stages without it)."),
+    ("--replicas=0", "flag --replicas=0: unknown replicas '0'; valid choices: N >= 1 (N "
+                     "data-parallel copies of the pipeline in this process, on N x the "
+                     "pipeline's devices), or tf_config (this process is one replica of the "
+                     "TF_CONFIG cluster; every worker runs the same command)"),
+    ("--replicas=2 --cluster=local:2 --stages=2",
+     "flags replicas=2, cluster=local:2: --replicas=2 with --cluster=local:2: data "
+     "parallelism over stages on remote workers is not built. Use --cluster (one pipeline "
+     "over the workers) or --replicas (pipelines here, or one per TF_CONFIG worker "
+     "process), not both."),
+    ("--replicas=tf_config",
+     "flags replicas=tf_config, cluster=: --replicas=tf_config: every worker process runs "
+     "this command with its own TF_CONFIG, which must name the cluster and this process's "
+     "task, e.g. TF_CONFIG='{\"cluster\": {\"worker\": [\"host0:port\", \"host1:port\"]}, "
+     "\"task\": {\"type\": \"worker\", \"index\": 0}}'."),
     ("--epochs=2 extra", "launch.train: error: unexpected arguments ['extra'] (flags take the "
                          "form --name=value; --helpfull lists them)"),
 ]
@@ -655,6 +669,9 @@ def test_a_bad_flag_is_one_line_before_tensorflow_starts(tmp_path, flags_, line)
                           "micro-batches empty. Use more examples or fewer micro-batches."),
     ({"stages": 8}, "--stages=8 with --schedule=gpipe needs 8 devices, but --logical_cpus=4 "
                     "(and there is no GPU). Use --logical_cpus=8."),
+    ({"stages": 2, "replicas": "4"},
+     "--stages=2 with --schedule=gpipe and --replicas=4 needs 8 devices, but "
+     "--logical_cpus=4 (and there is no GPU). Use --logical_cpus=8."),
     ({"dataset": "tfds:no_such_set_xyz", "data_dir": "/nonexistent/tfds"},
      "TensorFlow Datasets has no data set 'no_such_set_xyz': it is neither a registered TFDS "
      "name nor prepared under /nonexistent/tfds. Prepare it on a machine with network access "
@@ -662,7 +679,7 @@ def test_a_bad_flag_is_one_line_before_tensorflow_starts(tmp_path, flags_, line)
      "data_dir=DIR).download_and_prepare()), copy DIR here and pass --data_dir=DIR."),
 ], ids=["batch_size_0", "unknown_model", "verbose_3", "microbatches_over_batch",
         "fewer_examples_than_microbatches", "more_devices_than_logical_cpus",
-        "tfds_data_set_missing"])
+        "more_replicas_than_logical_cpus", "tfds_data_set_missing"])
 def test_a_bad_train_config_raises_a_run_error(tmp_path, changes, message):
     with pytest.raises(config_lib.RunError) as err:
         train_lib.train(_config(tmp_path / "run", **changes))

@@ -1,0 +1,379 @@
+"""Data parallel x pipeline: `PipelineStrategy(num_replicas=R)` on a device grid.
+
+Row r of the grid is replica r's pipeline, column k holds stage k of every
+replica. What a user relies on: the grid they asked for, each stage's
+variables and optimizer slots mirrored over its column, and training that
+equals plain Keras on the global batch (history, weights, evaluate, predict).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+import tfpipe
+from tfpipe import _internal
+from tfpipe_tests import helpers
+
+CPU = [f"/device:CPU:{i}" for i in range(4)]
+
+
+@pytest.mark.parametrize("devices, num_replicas, grid", [
+    (None, 2, [[CPU[0], CPU[1]], [CPU[2], CPU[3]]]),
+    (None, 4, [[CPU[0]], [CPU[1]], [CPU[2]], [CPU[3]]]),
+    (None, None, [CPU]),
+    ([[CPU[0], CPU[2]], [CPU[1], CPU[3]]], None, [[CPU[0], CPU[2]], [CPU[1], CPU[3]]]),
+    ([[CPU[0], CPU[1]]], 1, [[CPU[0], CPU[1]]]),
+    (["cpu:3", "cpu:2"], 2, [[CPU[3]], [CPU[2]]]),
+])
+def test_device_grid(devices, num_replicas, grid):
+    strategy = tfpipe.PipelineStrategy(devices=devices, num_replicas=num_replicas)
+    assert [list(row) for row in strategy.device_grid] == grid
+    assert strategy.num_replicas == strategy.num_replicas_in_sync == len(grid)
+    assert list(strategy.devices) == grid[0]
+
+
+@pytest.mark.parametrize("devices, num_replicas, message", [
+    (None, 3, "num_replicas=3 must be a positive int that divides the 4 devices"),
+    (None, 0, "use one of [1, 2, 4]"),
+    ([[CPU[0], CPU[1]], [CPU[2]]], None, "same number of devices, at least one; got rows of [2, 1]"),
+    ([[CPU[0]], [CPU[1]]], 3, "num_replicas=3 but devices has 2 rows"),
+    ([[CPU[0], CPU[1]], CPU[2]], None, "mixes names and lists"),
+    ([[CPU[0], CPU[1]], [CPU[1], CPU[2]]], None, "must be distinct"),
+    ([[CPU[0]], ["/device:CPU:9"]], None, "'/device:CPU:9' does not exist"),
+])
+def test_device_grid_errors(devices, num_replicas, message):
+    with pytest.raises(ValueError) as err:
+        tfpipe.PipelineStrategy(devices=devices, num_replicas=num_replicas)
+    assert message in str(err.value)
+
+
+def _classifier(seed=0):
+    """A softmax classifier with the hidden-logits head, a weight and an
+    activity regulariser (a call loss): the model people bring."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="relu", kernel_regularizer="l2")(inputs)
+    h = keras.layers.Dense(16, activation="tanh", activity_regularizer="l2")(h)
+    h = keras.layers.Dense(16, activation="relu")(h)
+    outputs = keras.layers.Dense(3, activation="softmax")(h)
+    return keras.Model(inputs, outputs)
+
+
+def _data(n=84):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 8)).astype("float32")
+    y = rng.integers(0, 3, n)
+    sample_weight = rng.uniform(size=n).astype("float32")
+    return x, y, sample_weight
+
+
+def _compile(model):
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+
+
+def _train_both(strategy, model_fn=_classifier, batch_size=16):
+    x, y, sw = _data()
+    plain = model_fn()
+    with strategy.scope():
+        pipelined = tfpipe.PipelinedModel.from_model(helpers.twin(plain))
+        _compile(pipelined)
+    _compile(plain)
+    # 84 rows in batches of 16: the last batch (4 rows) is ragged.
+    kwargs = dict(sample_weight=sw, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    return (plain, plain.fit(x, y, **kwargs).history,
+            pipelined, pipelined.fit(x, y, **kwargs).history)
+
+
+def test_stage_variables_and_slots_are_mirrored_over_their_column():
+    strategy = tfpipe.PipelineStrategy(num_replicas=2, num_microbatches=2)
+    with strategy.scope():
+        model = tfpipe.PipelinedModel.from_model(_classifier(), balance=[2, 2])
+        _compile(model)
+    columns = {0: [CPU[0], CPU[2]], 1: [CPU[1], CPU[3]]}
+    slots = {id(v): [s for s in model.optimizer.variables if s.path.split("/", 1)[-1] in (
+                         f"{v.path.replace('/', '_')}_momentum",
+                         f"{v.path.replace('/', '_')}_velocity")]
+             for v in model.trainable_variables}
+    for k, stage in enumerate(model.stages):
+        for v in stage.trainable_variables:
+            for var in [v] + slots[id(v)]:
+                devices = [c.device for c in _internal.local_copies(var)]
+                assert [d.split("/")[-1] for d in devices] == [
+                    c.split("/")[-1] for c in columns[k]], var.path
+        assert all(len(slots[id(v)]) == 2 for v in stage.trainable_variables)
+
+
+@pytest.mark.parametrize("schedule, execution", [
+    ("gpipe", "unrolled"),
+    pytest.param("1f1b", "loop", marks=pytest.mark.slow),
+    pytest.param("zbh1", "unrolled", marks=pytest.mark.slow),
+    pytest.param("interleaved", "unrolled", marks=pytest.mark.slow),
+])
+def test_two_replicas_of_two_stages_train_like_plain_keras(schedule, execution):
+    strategy = tfpipe.PipelineStrategy(
+        num_replicas=2, num_microbatches=2, schedule=schedule, execution=execution,
+        recompute="always" if execution == "loop" else None)
+    plain, plain_history, pipelined, history = _train_both(strategy)
+    assert sorted(history) == sorted(plain_history) == ["accuracy", "loss"]
+    for key in plain_history:
+        np.testing.assert_allclose(history[key], plain_history[key], rtol=1e-5, atol=1e-6)
+    assert helpers.max_abs_diff(plain.get_weights(), helpers.stage_weights(pipelined)) < 1e-5
+    x, y, _ = _data()
+    np.testing.assert_allclose(pipelined.evaluate(x, y, batch_size=16, verbose=0),
+                               plain.evaluate(x, y, batch_size=16, verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(pipelined.predict(x, batch_size=16, verbose=0),
+                               plain.predict(x, batch_size=16, verbose=0), atol=1e-5)
+
+
+def _masked_tagger(activity=None):
+    """Embedding(mask_zero=True) + a softmax per token: the loss averages over
+    the valid tokens, a count summed over the replicas."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(10, 8, mask_zero=True)(inputs)
+    h = keras.layers.Dense(8, activation="tanh", activity_regularizer=activity)(h)
+    outputs = keras.layers.Dense(4, activation="softmax")(h)
+    return keras.Model(inputs, outputs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, execution", [
+    ("gpipe", "unrolled"), ("1f1b", "unrolled"), ("gpipe", "loop"),
+])
+def test_masked_loss_is_averaged_over_every_replicas_tokens(schedule, execution):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 10, (84, 6)).astype("int32")
+    y = rng.integers(0, 4, (84, 6))
+    plain = _masked_tagger()
+    strategy = tfpipe.PipelineStrategy(
+        num_replicas=2, num_microbatches=2, schedule=schedule, execution=execution,
+        recompute="always" if execution == "loop" else None)
+    with strategy.scope():
+        pipelined = tfpipe.PipelinedModel.from_model(helpers.twin(plain))
+        _compile(pipelined)
+    _compile(plain)
+    kwargs = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    expected, got = plain.fit(x, y, **kwargs).history, pipelined.fit(x, y, **kwargs).history
+    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
+    assert helpers.max_abs_diff(plain.get_weights(), helpers.stage_weights(pipelined)) < 1e-5
+
+
+def test_masked_loss_with_call_losses_in_the_loop_names_the_fix():
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 10, (16, 6)).astype("int32"), rng.integers(0, 4, (16, 6))
+    strategy = tfpipe.PipelineStrategy(num_replicas=2, num_microbatches=2,
+                                       execution="loop", recompute="always")
+    with strategy.scope():
+        pipelined = tfpipe.PipelinedModel.from_model(_masked_tagger(activity="l2"))
+        _compile(pipelined)
+    with pytest.raises(ValueError, match="with data-parallel replicas the loop execution cannot "
+                                         "sum it over the replicas.*Use execution='unrolled'"):
+        pipelined.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("batch_size, message", [
+    (6, "batch size 6 is split over num_replicas=2 data-parallel replicas of "
+        "num_microbatches=4 micro-batches each"),
+    (7, "Use a global batch size of at least 8"),
+])
+def test_global_batch_smaller_than_replicas_times_microbatches_is_refused(batch_size, message):
+    strategy = tfpipe.PipelineStrategy(num_replicas=2, num_microbatches=4)
+    with strategy.scope():
+        pipelined = tfpipe.PipelinedModel.from_model(_classifier())
+        _compile(pipelined)
+    x, y, _ = _data()
+    with pytest.raises(ValueError) as err:
+        pipelined.fit(x, y, batch_size=batch_size, verbose=0)
+    assert message in str(err.value)
+
+
+def test_batch_normalization_under_replicas_is_refused():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(8)(inputs)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    model = keras.Model(inputs, keras.layers.Dense(3)(h))
+    strategy = tfpipe.PipelineStrategy(num_replicas=2)
+    with strategy.scope(), pytest.raises(
+            ValueError, match="Layer 'bn' .* is a BatchNormalization, and the strategy has "
+                              "num_replicas=2 .*Use one replica"):
+        tfpipe.PipelinedModel.from_model(model)
+
+
+@pytest.mark.slow
+def test_two_replicas_of_four_stages_on_eight_devices():
+    """2 x 4 on 8 logical CPUs (a child process: the suite's TF has 4)."""
+    script = textwrap.dedent("""
+        import json, sys
+        import tfpipe
+        tfpipe.testing.use_logical_cpus(8)
+        import numpy as np
+        from tfpipe import _internal
+        from tfpipe_tests import helpers, test_data_parallel as t
+        out = {}
+        for schedule in ("gpipe", "1f1b"):
+            strategy = tfpipe.PipelineStrategy(num_replicas=2, num_microbatches=2,
+                                               schedule=schedule)
+            plain, ph, pipelined, h = t._train_both(strategy)
+            out[schedule] = dict(
+                loss=[h["loss"], ph["loss"]],
+                diff=helpers.max_abs_diff(plain.get_weights(), helpers.stage_weights(pipelined)),
+                columns=[[c.device[-5:] for c in _internal.local_copies(s.trainable_variables[0])]
+                         for s in pipelined.stages])
+        print("RESULT" + json.dumps(out))
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
+                          text=True, timeout=400, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    line = [l for l in done.stdout.splitlines() if l.startswith("RESULT")]
+    assert done.returncode == 0 and line, done.stderr[-3000:]
+    result = json.loads(line[0][len("RESULT"):])
+    for schedule, r in result.items():
+        np.testing.assert_allclose(r["loss"][0], r["loss"][1], rtol=1e-5)
+        assert r["diff"] < 1e-5, (schedule, r["diff"])
+        assert r["columns"] == [["CPU:0", "CPU:4"], ["CPU:1", "CPU:5"],
+                                ["CPU:2", "CPU:6"], ["CPU:3", "CPU:7"]]
+
+
+def test_pipeline_summary_names_every_replicas_devices():
+    strategy = tfpipe.PipelineStrategy(num_replicas=2)
+    with strategy.scope():
+        model = tfpipe.PipelinedModel.from_model(_classifier())
+    summary = model.pipeline_summary()
+    assert "Data parallel: 2 replicas" in summary
+    assert "r=1: ['/device:CPU:2', '/device:CPU:3']" in summary
+
+
+# -- several processes: one pipeline per worker of a TF_CONFIG cluster --------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHILD_TIMEOUT = 300  # seconds; two TensorFlow processes on 2 busy cores
+
+
+def _tf_config(ports, index):
+    return json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                       "task": {"type": "worker", "index": index}})
+
+
+def _run_workers(args_of, ports, extra_env=None):
+    """Starts one `python *args_of(i)` per worker with its TF_CONFIG, waits for
+    all, kills every one still alive at the deadline; returns their
+    CompletedProcess-like (returncode, stdout, stderr) and asserts none is left."""
+    procs = [subprocess.Popen(
+        [sys.executable, *args_of(i)], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=_tf_config(ports, i),
+                 **(extra_env or {})))
+        for i in range(len(ports))]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=CHILD_TIMEOUT)
+            results.append((proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait(30)
+    assert all(proc.poll() is not None for proc in procs)
+    return results
+
+
+_WORKER_SCRIPT = textwrap.dedent("""
+    import json
+    import tfpipe
+    tfpipe.testing.use_logical_cpus(2)
+    import tensorflow as tf
+    from tfpipe import _internal
+    from tfpipe_tests import helpers, test_data_parallel as t
+    strategy = tfpipe.PipelineStrategy(
+        num_microbatches=2,
+        cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
+    x, y, sw = t._data()
+    plain = t._classifier()
+    with strategy.scope():
+        pipelined = tfpipe.PipelinedModel.from_model(helpers.twin(plain))
+        t._compile(pipelined)
+    t._compile(plain)
+    kwargs = dict(sample_weight=sw, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    history = pipelined.fit(x, y, **kwargs).history
+    expected = plain.fit(x, y, **kwargs).history
+    print("RESULT" + json.dumps(dict(
+        replicas=strategy.num_replicas_in_sync, history=history, expected=expected,
+        diff=helpers.max_abs_diff(plain.get_weights(), helpers.stage_weights(pipelined)),
+        devices=[[c.device for c in _internal.local_copies(v)]
+                 for v in pipelined.stages[1].trainable_variables])))
+""")
+
+
+@pytest.mark.slow
+def test_one_pipeline_per_worker_process_trains_like_plain_keras():
+    from tfpipe import cluster as cluster_lib
+    ports = cluster_lib._free_ports(2)  # pylint: disable=protected-access
+    results = _run_workers(lambda i: ["-c", _WORKER_SCRIPT], ports)
+    for index, (code, out, err) in enumerate(results):
+        line = [l for l in out.splitlines() if l.startswith("RESULT")]
+        assert code == 0 and line, err[-3000:]
+        r = json.loads(line[0][len("RESULT"):])
+        assert r["replicas"] == 2
+        for key in ("loss", "accuracy"):  # every epoch, the global batch's values
+            np.testing.assert_allclose(r["history"][key], r["expected"][key], rtol=1e-5)
+        assert r["diff"] < 1e-5
+        # Stage 1 on this worker's second device, one copy per worker process.
+        assert all(d == [f"/job:worker/replica:0/task:{index}/device:CPU:1"]
+                   for d in r["devices"])
+
+
+_TRAIN = ["-m", "launch.train", "--stages=2", "--microbatches=2", "--batch_size=32",
+          "--epochs=1", "--steps_per_epoch=6", "--max_examples=400", "--notimeline",
+          "--logical_cpus=2"]
+
+
+@pytest.mark.slow
+def test_trainer_with_one_replica_per_worker_matches_one_process(tmp_path):
+    """Each worker runs the same `launch.train --replicas=tf_config`; every
+    step's loss and accuracy equal the single-process run's."""
+    from tfpipe import cluster as cluster_lib
+    single = subprocess.run([sys.executable, *_TRAIN, f"--model_dir={tmp_path}/single"],
+                            cwd=REPO, capture_output=True, text=True, timeout=CHILD_TIMEOUT,
+                            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    ports = cluster_lib._free_ports(2)  # pylint: disable=protected-access
+    results = _run_workers(
+        lambda i: [*_TRAIN, "--replicas=tf_config", f"--model_dir={tmp_path}/w{i}"], ports)
+    expected = json.loads((tmp_path / "single" / "history.json").read_text())
+    for index, (code, out, err) in enumerate(results):
+        assert code == 0, err[-3000:]
+        assert (f"--replicas=tf_config: /job:worker/task:{index} is replica {index} of 2; "
+                f"its pipeline runs on ['/job:worker/replica:0/task:{index}/device:CPU:0', "
+                f"'/job:worker/replica:0/task:{index}/device:CPU:1']") in out
+        got = json.loads((tmp_path / f"w{index}" / "history.json").read_text())
+        assert len(got["steps"]) == len(expected["steps"]) == 6
+        for a, b in zip(got["steps"], expected["steps"]):
+            assert a["rows"] == b["rows"] == 32
+            np.testing.assert_allclose([a["loss"], a["accuracy"]], [b["loss"], b["accuracy"]],
+                                       rtol=1e-5)
+        assert got["epochs"] == expected["epochs"] or np.allclose(
+            [e["loss"] for e in got["epochs"]], [e["loss"] for e in expected["epochs"]])
+
+
+@pytest.mark.slow
+def test_trainer_with_two_replicas_in_one_process_matches_one_pipeline(tmp_path):
+    runs = {}
+    for name, flags_ in (("one", ["--logical_cpus=2"]),
+                         ("grid", ["--replicas=2", "--logical_cpus=4"])):
+        done = subprocess.run([sys.executable, *_TRAIN, *flags_, f"--model_dir={tmp_path}/{name}"],
+                              cwd=REPO, capture_output=True, text=True, timeout=CHILD_TIMEOUT,
+                              env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = json.loads((tmp_path / name / "history.json").read_text())
+    for a, b in zip(runs["grid"]["steps"], runs["one"]["steps"]):
+        np.testing.assert_allclose([a["loss"], a["accuracy"]], [b["loss"], b["accuracy"]],
+                                   rtol=1e-5)
