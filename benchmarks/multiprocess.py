@@ -465,7 +465,6 @@ def benchmark(config, timeout_s, note=""):
                                      f"2 stages, MSE, Adam(1e-4), GPipe, unrolled, "
                                      f"recompute=never"),
         "machine": info, "load_average_at_end": common.machine()["load_average_at_start"],
-        "note": "the machine's 2 cores were shared with other work during the run",
     }
 
 
@@ -495,7 +494,9 @@ def markdown(result):
     return (f"{result['machine']['date']}, {common.machine_label(result['machine'])}."
             f"{head}{note} {c['model']}, batch "
             f"{c['batch']}; median of {c['repeats']} runs x {c['steps']} steps per side, "
-            f"sides alternating; {result['note']}.\n\n{table}\n")
+            f"sides alternating; load average {result['machine']['load_average_at_start']} "
+            f"at the start, {result['load_average_at_end']} at the end (1, 5, 15 min).\n\n"
+            f"{table}\n")
 
 
 def _config():
