@@ -1,4 +1,10 @@
-"""Small models and data shared by the tests; plain Keras references."""
+"""Small models and data shared by the tests; plain Keras references; child processes."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -74,3 +80,25 @@ def stage_weights(pipelined):
 def max_abs_diff(weights_a, weights_b):
     assert len(weights_a) == len(weights_b)
     return max(float(np.max(np.abs(a - b))) for a, b in zip(weights_a, weights_b))
+
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_child(args, timeout, env=None):
+    """Runs `python ARGS` in the repository, in its own session, and returns
+    its `subprocess.CompletedProcess` (with `.pid`). On overrun the whole
+    process group is killed (nothing is left behind) and
+    `subprocess.TimeoutExpired` is raised."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    done.pid = proc.pid
+    return done

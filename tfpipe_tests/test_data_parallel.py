@@ -229,9 +229,7 @@ def test_two_replicas_of_four_stages_on_eight_devices():
                          for s in pipelined.stages])
         print("RESULT" + json.dumps(out))
     """)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
-                          text=True, timeout=400, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    done = helpers.run_child(["-c", script], timeout=400)
     line = [l for l in done.stdout.splitlines() if l.startswith("RESULT")]
     assert done.returncode == 0 and line, done.stderr[-3000:]
     result = json.loads(line[0][len("RESULT"):])
@@ -341,9 +339,7 @@ def test_trainer_with_one_replica_per_worker_matches_one_process(tmp_path):
     """Each worker runs the same `launch.train --replicas=tf_config`; every
     step's loss and accuracy equal the single-process run's."""
     from tfpipe import cluster as cluster_lib
-    single = subprocess.run([sys.executable, *_TRAIN, f"--model_dir={tmp_path}/single"],
-                            cwd=REPO, capture_output=True, text=True, timeout=CHILD_TIMEOUT,
-                            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    single = helpers.run_child([*_TRAIN, f"--model_dir={tmp_path}/single"], CHILD_TIMEOUT)
     assert single.returncode == 0, single.stderr[-3000:]
     ports = cluster_lib._free_ports(2)  # pylint: disable=protected-access
     results = _run_workers(
@@ -369,9 +365,8 @@ def test_trainer_with_two_replicas_in_one_process_matches_one_pipeline(tmp_path)
     runs = {}
     for name, flags_ in (("one", ["--logical_cpus=2"]),
                          ("grid", ["--replicas=2", "--logical_cpus=4"])):
-        done = subprocess.run([sys.executable, *_TRAIN, *flags_, f"--model_dir={tmp_path}/{name}"],
-                              cwd=REPO, capture_output=True, text=True, timeout=CHILD_TIMEOUT,
-                              env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+        done = helpers.run_child([*_TRAIN, *flags_, f"--model_dir={tmp_path}/{name}"],
+                                 CHILD_TIMEOUT)
         assert done.returncode == 0, done.stderr[-3000:]
         runs[name] = json.loads((tmp_path / name / "history.json").read_text())
     for a, b in zip(runs["grid"]["steps"], runs["one"]["steps"]):

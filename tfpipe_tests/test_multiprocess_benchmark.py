@@ -12,13 +12,12 @@ TensorFlow import, so they stay in the default suite.
 """
 
 import json
-import os
 import pathlib
-import signal
 import subprocess
-import sys
 
 import pytest
+
+from tfpipe_tests import helpers
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 150  # the quick run takes 30-40 s on 2 shared cores
@@ -27,17 +26,10 @@ TIMEOUT_S = 150  # the quick run takes 30-40 s on 2 shared cores
 def _run(*flags, timeout=TIMEOUT_S):
     """`python -m benchmarks.multiprocess *flags` in its own session (killed
     as a group if it overruns); returns the CompletedProcess."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.multiprocess", *flags], cwd=REPO,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     try:
-        out, err = proc.communicate(timeout=timeout)
+        return helpers.run_child(["-m", "benchmarks.multiprocess", *flags], timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=30)
-        pytest.fail(f"benchmarks.multiprocess overran {timeout} s; stderr:\n{err[-3000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        pytest.fail(f"benchmarks.multiprocess overran {timeout} s")
 
 
 def _running(pids):

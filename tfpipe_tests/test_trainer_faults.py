@@ -34,6 +34,7 @@ from launch import config as config_lib
 from launch import data as data_lib
 from launch import run_lock
 from launch import train as train_lib
+from tfpipe_tests import helpers
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SETTINGS = dict(stages=2, microbatches=2, batch_size=32, epochs=2, steps_per_epoch=5,
@@ -625,18 +626,7 @@ BAD_FLAGS = [
 
 def _child(args, timeout=CHILD_TIMEOUT, env=None):
     """Runs `python ARGS` in the repository, in its own session; kills the group on overrun."""
-    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})})
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    done.pid = proc.pid
-    return done
+    return helpers.run_child(args, timeout, env)
 
 
 @pytest.mark.parametrize("flags_, line", [pytest.param(f, m, id=f) for f, m in BAD_FLAGS])
