@@ -502,7 +502,8 @@ class PipelinedModel(keras.Model):
     def _check_call(self, x, what):
         """Refuses what Keras would report without naming the fix: a call under
         another strategy's scope, a dict fed to hand-made stages built for
-        one unnamed input."""
+        one unnamed input, inputs Keras cannot split over replicas."""
+        self._check_replicated_inputs(x, what)
         if tf.distribute.has_strategy() and (
                 tf.distribute.get_strategy() is not self._distribute_strategy):
             raise ValueError(
@@ -517,6 +518,36 @@ class PipelinedModel(keras.Model):
                 f"{what}: x is a dict (keys {sorted(x)}) but the pipeline takes one input "
                 f"of shape {tuple(built)}; pass the array, or use "
                 f"PipelinedModel.from_model with keras.Inputs of those names.")
+
+    def _check_replicated_inputs(self, x, what):
+        """With several replicas Keras reduces the first distributed batch to
+        build metrics, which fails deep in TensorFlow on strings, SparseTensors
+        and RaggedTensors; say so up front."""
+        if self._distribute_strategy.num_replicas == 1 or x is None:
+            return
+        if isinstance(x, tf.data.Dataset):
+            leaves = tf.nest.flatten(x.element_spec)
+        elif isinstance(x, keras.utils.PyDataset) or callable(getattr(x, "__next__", None)):
+            return
+        else:
+            leaves = tf.nest.flatten(x)
+        for leaf in leaves:
+            kind = None
+            if isinstance(leaf, (tf.SparseTensor, tf.SparseTensorSpec)):
+                kind = "a tf.SparseTensor"
+            elif isinstance(leaf, (tf.RaggedTensor, tf.RaggedTensorSpec)):
+                kind = "a tf.RaggedTensor"
+            elif (leaf.dtype.kind in "OSU" if isinstance(leaf, np.ndarray)
+                  else isinstance(leaf, (tf.Tensor, tf.TensorSpec)) and leaf.dtype == tf.string):
+                kind = "strings"
+            if kind:
+                raise ValueError(
+                    f"{what}: an input is {kind}, which Keras cannot split over the "
+                    f"strategy's num_replicas={self._distribute_strategy.num_replicas} "
+                    f"data-parallel replicas. Use one replica (num_replicas=1), or turn "
+                    f"it into a dense numeric tensor in the input pipeline (e.g. "
+                    f"tf.data .map with the preprocessing layer, tf.sparse.to_dense, "
+                    f"RaggedTensor.to_tensor).")
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         self._check_call(x, "fit")

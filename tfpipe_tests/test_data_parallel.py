@@ -15,6 +15,7 @@ import textwrap
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfpipe
 from tfpipe import _internal
@@ -415,3 +416,21 @@ def test_a_data_parallel_model_saves_and_loads_at_another_layout(tmp_path):
     kwargs = dict(batch_size=16, epochs=1, verbose=0, shuffle=False)
     np.testing.assert_allclose(flat.fit(x, y, **kwargs).history["loss"],
                                model.fit(x, y, **kwargs).history["loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("make_x, kind", [
+    (lambda: np.array([["a b"]] * 8), "strings"),
+    (lambda: tf.data.Dataset.from_tensor_slices(
+        tf.sparse.from_dense(np.ones((8, 8), "float32"))).batch(4), "a tf.SparseTensor"),
+    (lambda: tf.ragged.constant([[1.0], [2.0, 3.0]] * 4), "a tf.RaggedTensor"),
+])
+def test_inputs_keras_cannot_split_over_replicas_are_refused(make_x, kind):
+    strategy = tfpipe.PipelineStrategy(num_replicas=2)
+    with strategy.scope():
+        model = tfpipe.PipelinedModel.from_model(_classifier())
+        _compile(model)
+    with pytest.raises(ValueError) as err:
+        model.predict(make_x(), batch_size=4, verbose=0)
+    assert str(err.value).startswith(
+        f"predict: an input is {kind}, which Keras cannot split over the strategy's "
+        f"num_replicas=2 data-parallel replicas. Use one replica (num_replicas=1)")
