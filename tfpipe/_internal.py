@@ -261,6 +261,28 @@ def unordered_timestamp():
     return stamp
 
 
+_CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
+
+
+def function_body(call_op):
+    """The `FuncGraph` a function call op runs (None if it is not a call op,
+    or its function is not in the graph's library as a traced function).
+
+    `Graph._get_function` is private; a function traced inside another is
+    registered in some enclosing graph, so the search walks outwards.
+    """
+    if call_op.type not in _CALL_OPS:
+        return None
+    name = call_op.get_attr("f").name
+    graph = call_op.graph
+    while graph is not None:
+        function = graph._get_function(name)  # pylint: disable=protected-access
+        if function is not None:
+            return getattr(function, "graph", None)
+        graph = getattr(graph, "outer_graph", None)
+    return None
+
+
 # -- Keras metadata on tensors ------------------------------------------------
 
 

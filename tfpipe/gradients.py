@@ -12,6 +12,8 @@ once, so micro-batch slices are merged row by row (`merge_rows`).
 
 import tensorflow as tf
 
+from tfpipe import _internal
+
 
 def add_gradients(acc, grad):
     """acc + grad; IndexedSlices stay sparse (no dense [vocab, d] buffer)."""
@@ -43,18 +45,32 @@ def gathers_unique_rows(grad):
     micro-batches' slices must be merged row by row (`merge_rows`); a plain
     lookup (`Embedding`) has one entry per lookup, which concatenation keeps.
     Keras' Adam treats repeated rows differently from their sum, hence the care.
+
+    The search follows the indices into function calls and back out of their
+    arguments: under execution="stage_functions" a stage's gradient is an
+    output of TF's backward function, whose indices are the forward call's
+    `tf.unique`, passed on as an argument.
     """
-    frontier, seen = [grad.indices], set()
+    frontier, seen = [(grad.indices, ())], set()
     while frontier:
-        t = frontier.pop()
+        t, calls = frontier.pop()  # calls: the call ops whose bodies t is in
         op = getattr(t, "op", None)
-        if op is None or id(op) in seen:
+        key = (id(op), tuple(id(c) for c in calls))
+        if op is None or key in seen:
             continue
-        seen.add(id(op))
+        seen.add(key)
         if op.type in _UNIQUE_OPS:
             return True
         if op.type in _PASS_THROUGH and op.inputs:
-            frontier.append(op.inputs[0])
+            frontier.append((op.inputs[0], calls))
+            continue
+        body = _internal.function_body(op)
+        if body is not None:
+            frontier.append((body.outputs[t.value_index], calls + (op,)))
+        elif op.type == "Placeholder" and calls:
+            position = [i for i, x in enumerate(op.graph.inputs) if x is t]
+            if position:
+                frontier.append((calls[-1].inputs[position[0]], calls[:-1]))
     return False
 
 

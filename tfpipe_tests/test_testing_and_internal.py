@@ -205,3 +205,35 @@ def test_in_xla_context_and_tpu_cores_per_replica():
     import inspect  # pylint: disable=import-outside-toplevel
     from tensorflow.python.distribute import tpu_strategy  # pylint: disable=import-outside-toplevel
     assert "self._tpu_devices = " in inspect.getsource(tpu_strategy.TPUExtended.__init__)
+
+
+@pytest.mark.parametrize("unique, expected", [(True, True), (False, False)])
+def test_unique_rows_are_seen_through_a_function_gradient(unique, expected):
+    """`function_body` (private `Graph._get_function`) lets
+    `gathers_unique_rows` follow a gradient's indices out of TF's backward
+    function and into the forward call whose `tf.unique` made them, as under
+    execution="stage_functions"; a plain gather is not deduplicated."""
+    from tfpipe import gradients  # pylint: disable=import-outside-toplevel
+
+    @tf.function(autograph=False, experimental_attributes={"_noinline": True})
+    def stage(x, table):
+        ids = tf.constant([0, 2, 0])
+        rows = tf.unique(ids)[0] if unique else ids
+        return tf.gather(table, rows) * x
+
+    found = {}
+
+    @tf.function(autograph=False)
+    def step(x):
+        table = tf.ones((3, 2))
+        with tf.GradientTape() as tape:
+            tape.watch(table)
+            y = stage(x, table)
+        grad = tape.gradient(y, table)
+        assert isinstance(grad, tf.IndexedSlices)
+        assert _internal.function_body(grad.indices.op) is not None
+        found["unique"] = gradients.gathers_unique_rows(grad)
+        return grad.values
+
+    step.get_concrete_function(tf.TensorSpec([None, 2], tf.float32))
+    assert found["unique"] is expected
