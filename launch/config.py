@@ -92,7 +92,7 @@ MODEL_DATA = {
     "unet": ("segmentation", "digits_masks"),
 }
 RECOMPUTE_MODES = ("auto", "always", "except_last", "never")  # auto: tfpipe's default
-EXECUTIONS = ("unrolled", "loop")
+EXECUTIONS = ("unrolled", "stage_functions", "loop")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved:V", "zbh1", "zbv",
              "NAME/segments=N")
 

@@ -42,7 +42,7 @@ class PipelineConfig:
       num_microbatches: M, micro-batches per mini-batch.
       schedule: a `tfpipe.schedules.Schedule`.
       recompute: "always", "except_last" or "never".
-      execution: "unrolled" or "loop".
+      execution: "unrolled", "stage_functions" or "loop".
       batch_norm: "deferred" or "plain" (`tfpipe.batchnorm`).
     """
 

@@ -8,6 +8,8 @@ the action interpreter of `tfpipe.runtime`, walked by one of two backends
 chosen by the config's execution:
 
   "unrolled" (`tfpipe.unrolled`): every action traced in the schedule's order;
+  "stage_functions": the same, each stage traced once as a `tf.function` and
+    called by every action (`tfpipe.runtime.StageFunction`);
   "loop" (`tfpipe.loop`): a `tf.while_loop` over clock ticks, traced once.
 
 Gradients are summed per variable over micro-batches and over every stage
@@ -30,7 +32,8 @@ from tfpipe import runtime
 from tfpipe import schedules
 from tfpipe import unrolled
 
-BACKENDS = {"unrolled": unrolled.UnrolledBackend, "loop": loop.LoopBackend}
+BACKENDS = {"unrolled": unrolled.UnrolledBackend,
+            "stage_functions": unrolled.UnrolledBackend, "loop": loop.LoopBackend}
 StepResult = runtime.StepResult
 
 
@@ -72,7 +75,8 @@ class Pipeline:
         self.serialize_ops = False
         self.stage_states = [recompute_lib.StageState(s) for s in self.stages]
         # Counts stage calls made while tracing, per stage; tests read it to
-        # check that recompute really re-runs stages.
+        # check that recompute really re-runs stages (and that stage functions
+        # trace each stage once).
         self.trace_calls = [0] * len(self.stages)
         self._home_stage = {}  # id(variable) -> its home stage (variable_table)
 

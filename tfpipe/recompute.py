@@ -32,20 +32,23 @@ def validate(mode):
     return mode
 
 
-EXECUTIONS = ("unrolled", "loop")
+EXECUTIONS = ("unrolled", "stage_functions", "loop")
 
 
 def resolve(mode, execution):
     """The recompute mode to use: `mode`, or the default for `execution`.
 
-    The unrolled step defaults to "except_last"; the loop form keeps only
+    The unrolled step (with or without stage functions) defaults to
+    "except_last"; the loop form keeps only
     stage inputs, so it is always "always" (and rejects other modes).
     """
     if execution not in EXECUTIONS:
         raise ValueError(
             f"Unknown execution {execution!r}. Use 'unrolled' (every action traced; "
-            f"all recompute modes) or 'loop' (a tf.while_loop over clock ticks; graph "
-            f"size independent of num_microbatches; recompute='always')."
+            f"all recompute modes), 'stage_functions' (every action called, each stage "
+            f"traced once as a tf.function; all recompute modes) or 'loop' (a "
+            f"tf.while_loop over clock ticks; graph size independent of "
+            f"num_microbatches; recompute='always')."
         )
     if mode is None:
         return "always" if execution == "loop" else "except_last"

@@ -61,8 +61,11 @@ class PipelineStrategy(tf.distribute.Strategy):
       recompute: `"always"`, `"except_last"` or `"never"`; default
         `"except_last"` (unrolled) or `"always"` (loop).
       execution: `"unrolled"` (default: every action is traced, so the graph
-        grows with M) or `"loop"` (a `tf.while_loop` over clock ticks, traced
-        once whatever M; implies recompute `"always"`). See `tfpipe.loop`.
+        grows with M), `"stage_functions"` (the same walk, each stage's forward
+        traced once as a `tf.function` and called per micro-batch: trace time
+        grows far less with M; see `tfpipe.runtime.StageFunction`) or `"loop"`
+        (a `tf.while_loop` over clock ticks, traced once whatever M; implies
+        recompute `"always"`). See `tfpipe.loop`.
       batch_norm: `"deferred"` (default) or `"plain"`; see `tfpipe.batchnorm`.
 
     >>> tfpipe.testing.use_logical_cpus(4)               # doctest: +SKIP

@@ -14,7 +14,9 @@ held back by a control edge until W's turn on the device
 (`runtime.release`): W costs only the weight-gradient ops, as in the
 zero-bubble paper, not a second backward.
 
-The graph and its trace time grow with M; the loop form does not.
+The graph and its trace time grow with M; the loop form does not. Under
+execution="stage_functions" (`tfpipe.runtime.StageFunction`) each action is a
+call of its stage's one traced function, so they grow far less.
 """
 
 import tensorflow as tf
