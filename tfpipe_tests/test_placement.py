@@ -1,5 +1,8 @@
 """Every stage's variables and optimizer slots live on that stage's device."""
 
+import collections
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -113,6 +116,35 @@ def test_training_ops_run_on_stage_devices():
     visit(graph)
     assert None not in matmuls, matmuls.get(None)
     assert set(matmuls) == {("CPU", 0), ("CPU", 1)}
+
+
+_PLACER_CHILD = r"""
+import sys
+import tfpipe
+tfpipe.testing.use_logical_cpus(4)
+import numpy as np, keras, tensorflow as tf
+tf.debugging.set_log_device_placement(True)  # before any function is placed
+strategy = tfpipe.PipelineStrategy(devices=["/CPU:2", "/CPU:3"], num_microbatches=2,
+                                   execution=sys.argv[1], recompute="always")
+with strategy.scope():
+    model = tfpipe.PipelinedModel([keras.layers.Dense(4), keras.layers.Dense(2)],
+                                  input_shape=(None, 3))
+    model.compile(optimizer="adam", loss="mse")
+model.fit(np.ones((8, 3), "float32"), np.ones((8, 2), "float32"), batch_size=8, verbose=0)
+"""
+
+
+@pytest.mark.parametrize("execution", ["unrolled", "stage_functions"])
+def test_placer_runs_every_matmul_on_a_stage_device(execution):
+    """Where TF's placer really runs the stages' matmuls (its own log, in a
+    child process), forward and backward: on the two stage devices, never on
+    the default CPU:0, also when they sit in function bodies (stage_functions),
+    which carry no device of their own for the backward."""
+    done = helpers.run_child(["-c", _PLACER_CHILD, execution], timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    placed = re.findall(r"^\S+: \(MatMul\): (\S+)$", done.stdout, re.M)
+    devices = collections.Counter(tf.DeviceSpec.from_string(d).device_index for d in placed)
+    assert set(devices) == {2, 3}, devices
 
 
 def test_hand_written_stages_sharing_a_layer_train_like_keras():

@@ -31,6 +31,9 @@ SETUPS = {
     # Zero-bubble: a split backward (I then W) in the graph, and replayed in the loop.
     "M4-zbh1": dict(num_microbatches=4, schedule="zbh1", recompute="never"),
     "M4-zbv-loop": dict(num_microbatches=4, schedule="zbv", execution="loop"),
+    # Each stage traced once as a tf.function, called per micro-batch.
+    "M4-1f1b-functions": dict(num_microbatches=4, schedule="1f1b", recompute="except_last",
+                              execution="stage_functions"),
 }
 # The default suite runs each pattern once, the setups taking turns; the
 # whole matrix (every setup and every balance of every pattern) is marked

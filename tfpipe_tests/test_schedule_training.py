@@ -26,7 +26,7 @@ SCHEDULES = {
                        ["/CPU:0", "/CPU:1"]),
 }
 RUNS = [("unrolled", "always"), ("unrolled", "except_last"), ("unrolled", "never"),
-        ("loop", "always")]
+        ("stage_functions", "except_last"), ("loop", "always")]
 
 
 def _pipelined(ref, name, m, execution, recompute, compile_kwargs, balance=None):
@@ -66,6 +66,7 @@ def test_mlp_matches_plain_keras(name, execution, recompute):
 
 
 @pytest.mark.parametrize("execution, recompute", [("unrolled", "except_last"),
+                                                  ("stage_functions", "always"),
                                                   ("loop", "always")])
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_cnn_with_regulariser_matches_plain_keras(name, execution, recompute):
@@ -107,12 +108,14 @@ def test_loop_replays_dropout_masks_and_updates_batchnorm_once(name):
     data = helpers.regression_data(n=64)
     kwargs = dict(optimizer="adam", loss="mse")
     results = {}
-    for execution, recompute in (("unrolled", "never"), ("loop", "always")):
+    for execution, recompute in (("unrolled", "never"), ("loop", "always"),
+                                 ("stage_functions", "always")):
         model = _pipelined(_dropout_bn_model(), name, 4, execution, recompute, kwargs,
                            balance=[2, 2, 1, 1])
         model.fit(*data, batch_size=16, epochs=2, shuffle=False, verbose=0)
         results[execution] = helpers.stage_weights(model)
     assert helpers.max_abs_diff(results["unrolled"], results["loop"]) < 1e-6
+    assert helpers.max_abs_diff(results["unrolled"], results["stage_functions"]) < 1e-6
 
 
 def _traced_ops(model, batch):
@@ -136,6 +139,30 @@ def _traced_ops(model, batch):
                 visit(f.graph)
     visit(graph)
     return count, devices
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zbv"])
+def test_stage_functions_trace_each_stage_once_whatever_m(name):
+    """Each stage's Python is traced once per step, for any M; the step's own
+    graph calls the stages (no layer op of theirs is in it), each call under
+    its stage's device."""
+    for m in (2, 8):
+        ref = helpers.reference(helpers.mlp_layers(), (8,))
+        model = _pipelined(ref, name, m, "stage_functions", "except_last",
+                           dict(optimizer="sgd", loss="mse"))
+        stages = model.pipeline.num_stages
+        model.pipeline.trace_calls = [0] * stages
+        step = tf.function(model.train_step, autograph=False)
+        graph = step.get_concrete_function(
+            (tf.TensorSpec([16, 8], tf.float32), tf.TensorSpec([16, 3], tf.float32))).graph
+        assert model.pipeline.trace_calls == [1] * stages
+        top = graph.get_operations()
+        assert not [op.name for op in top if op.type == "MatMul"]
+        calls = [op for op in top if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
+        stage_devices = {tf.DeviceSpec.from_string(d).to_string()
+                         for d in model.pipeline_devices}
+        assert calls and {tf.DeviceSpec.from_string(op.device).to_string()
+                          for op in calls} == stage_devices
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))

@@ -34,6 +34,7 @@ SLOW = pytest.mark.slow
 CASES = [
     pytest.param("unrolled", "1f1b/segments=2", "except_last", marks=SLOW),
     ("loop", "zbh1/segments=2", "always"),
+    ("stage_functions", "1f1b/segments=2", "except_last"),
     pytest.param("unrolled", "gpipe/segments=2", "always", marks=SLOW),
     pytest.param("unrolled", "gpipe/segments=2", "except_last", marks=SLOW),
     pytest.param("unrolled", "gpipe/segments=2", "never", marks=SLOW),
