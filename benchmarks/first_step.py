@@ -111,7 +111,7 @@ def main(argv):
 def _define_flags():
     from absl import flags  # pylint: disable=import-outside-toplevel
     flags.DEFINE_string("microbatches", "1,8,32", "Micro-batch counts M.")
-    flags.DEFINE_string("executions", "unrolled,loop", "Executions to time.")
+    flags.DEFINE_string("executions", "unrolled,stage_functions,loop", "Executions to time.")
     flags.DEFINE_integer("stages", 4, "Stages (logical CPUs).")
     flags.DEFINE_integer("batch", 32, "Rows per step (a multiple of every M).")
     flags.DEFINE_string("out", str(common.RESULTS_DIR / "first_step.json"), "JSON output.")

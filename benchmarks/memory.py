@@ -151,7 +151,9 @@ def measure_memory(layers, width, batch, num_microbatches=1, recompute="never",
         "built_mib": common.rss_mib(),
     }
     if step:
-        fn = tf.function(lambda a, b: model.train_step((a, b)))
+        # As Keras' fit traces it: without AutoGraph (it would convert tfpipe's
+        # own Python, which fit never does, and inflate the trace time).
+        fn = tf.function(lambda a, b: model.train_step((a, b)), autograph=False)
         _trim()
         before_trace = common.rss_mib()
         concrete = fn.get_concrete_function(tf.TensorSpec(x.shape, x.dtype),

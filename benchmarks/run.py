@@ -108,7 +108,8 @@ def run_trace(config, log=print):
     model = {key: config.pop(key, value) for key, value in schedules.TRACE_MODEL.items()}
     rows = schedules.trace_grid(devices, microbatches, log=log, **model, **config)
     return {"model": model, "rows": rows,
-            "loop_trace_growth": schedules.trace_flatness(rows)}
+            "loop_trace_growth": schedules.trace_flatness(rows),
+            "trace_growth": schedules.trace_growth(rows)}
 
 
 RUNNERS = {"memory": run_memory, "capacity": run_capacity, "throughput": run_throughput,
@@ -215,8 +216,10 @@ def markdown(results, info, suite, wall_s, out_dir=common.RESULTS_DIR):
             f"`get_concrete_function` of the train step; *first call* adds graph "
             f"optimisation and one step; ops count the step's graph including nested "
             f"function bodies (the loop's while body and branches). Each cell: trace s / "
-            f"first call s / ops. Loop trace time, largest M / smallest M: "
-            + ", ".join(f"K={k}: {v:.2f}" for k, v in trace["loop_trace_growth"].items())
+            f"first call s / ops. Trace time, largest M / smallest M: "
+            + "; ".join(f"{e} " + ", ".join(f"K={k}: {v:.2f}" for k, v in g.items())
+                        for e, g in trace.get("trace_growth", {
+                            "loop": trace["loop_trace_growth"]}).items())
             + ".",
             schedules.trace_pivot_table(trace["rows"]),
         ]

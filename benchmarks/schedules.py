@@ -35,8 +35,8 @@ no communication cost) and the schedule's own ideal from
 no schedule can beat the core count, so `ratio_to_bound` also divides by
 min(ideal, usable cores).
 
-Trace time. For M in `--trace_microbatches`, execution "unrolled" and "loop"
-(both recompute="always"), a fresh child traces a throwaway model first (so
+Trace time. For M in `--trace_microbatches` and each of `--trace_executions`
+("unrolled", "stage_functions", "loop"; all recompute="always"), a fresh child traces a throwaway model first (so
 the process's one-off first-trace costs, ~3 s, are not counted), then times
 `get_concrete_function` of the train step (trace_s: Python tracing), counts the graph's ops (top-level, and
 including nested function bodies: the loop's while body and switch branches),
@@ -156,7 +156,9 @@ class _Timed:
         import contextlib  # pylint: disable=import-outside-toplevel
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
         self._executor = executor or contextlib.nullcontext
-        fn = tf.function(lambda a, b: model.train_step((a, b)))
+        # As Keras' fit traces it: without AutoGraph (it would convert tfpipe's
+        # own Python, which fit never does, and inflate the trace time).
+        fn = tf.function(lambda a, b: model.train_step((a, b)), autograph=False)
         start = time.perf_counter()
         self.concrete = fn.get_concrete_function(tf.TensorSpec(x.shape, x.dtype),
                                                  tf.TensorSpec(y.shape, y.dtype))
@@ -304,7 +306,8 @@ def measure_trace(num_devices, num_microbatches, execution, schedule="gpipe",
     warm = _build_pipelined(num_devices, warm_m, schedule, "always", execution,
                             num_stages(schedule, num_devices), 4)
     x, y = common.random_batch(2 * warm_m, 4)
-    tf.function(lambda a, b: warm.train_step((a, b))).get_concrete_function(x, y)
+    tf.function(lambda a, b: warm.train_step((a, b)),
+                autograph=False).get_concrete_function(x, y)
     result = measure_step(num_devices, num_microbatches, schedule=schedule,
                           recompute="always", execution=execution, batch=batch, width=width,
                           layers=layers, warmup=1, repeats=1, steps=steps, baselines=(),
@@ -316,7 +319,7 @@ def measure_trace(num_devices, num_microbatches, execution, schedule="gpipe",
     return out
 
 
-def trace_grid(devices, microbatches, executions=("unrolled", "loop"), log=print,
+def trace_grid(devices, microbatches, executions=("unrolled", "stage_functions", "loop"), log=print,
                timeout=1800, **kwargs):
     """`measure_trace` in a fresh child per (K, execution, M); a list of rows."""
     rows = []
@@ -444,7 +447,8 @@ def plot(speedup_rows, trace_rows, path, title=""):
     if trace_rows:
         ax_t, ax_o = axes[len(ks)], axes[len(ks) + 1]
         for k in sorted({r["num_devices"] for r in trace_rows}):
-            for execution, style in (("unrolled", "o-"), ("loop", "s-")):
+            for execution, style in (("unrolled", "o-"), ("stage_functions", "^-"),
+                                     ("loop", "s-")):
                 pts = [(r["num_microbatches"], r["trace_s"], r["first_call_s"], r["ops_total"])
                        for r in trace_rows if r["num_devices"] == k
                        and r["execution"] == execution and r["trace_s"] is not None]
@@ -517,15 +521,22 @@ def loop_throughput(rows):
     return out
 
 
-def trace_flatness(rows):
-    """Loop trace time at the largest M over the smallest, per K (1.0 = flat)."""
+def trace_flatness(rows, execution="loop"):
+    """`execution`'s trace time at the largest M over the smallest, per K (1.0 = flat)."""
     out = {}
     for k in sorted({r["num_devices"] for r in rows}):
-        loop = sorted((r["num_microbatches"], r["trace_s"]) for r in rows
-                      if r["num_devices"] == k and r["execution"] == "loop" and r["trace_s"])
-        if len(loop) >= 2:
-            out[str(k)] = loop[-1][1] / loop[0][1]
+        times = sorted((r["num_microbatches"], r["trace_s"]) for r in rows
+                       if r["num_devices"] == k and r["execution"] == execution
+                       and r["trace_s"])
+        if len(times) >= 2:
+            out[str(k)] = times[-1][1] / times[0][1]
     return out
+
+
+def trace_growth(rows):
+    """{execution: {K: trace time at the largest M / at the smallest}}."""
+    return {e: trace_flatness(rows, e)
+            for e in sorted({r["execution"] for r in rows})}
 
 
 # -- command line ------------------------------------------------------------------
@@ -549,10 +560,12 @@ def main(argv):
     traces = []
     if f.trace_microbatches:
         traces = trace_grid(common.parse_ints(f.trace_devices),
-                            common.parse_ints(f.trace_microbatches))
+                            common.parse_ints(f.trace_microbatches),
+                            executions=[e for e in f.trace_executions.split(",") if e])
     result = {
         "machine": info, "model": model, "timing": timing, "speedup": rows, "trace": traces,
         "goal": goal_summary(rows), "loop_trace_growth": trace_flatness(traces),
+        "trace_growth": trace_growth(traces),
         "zero_bubble": zero_bubble_summary(rows), "loop_throughput": loop_throughput(rows),
         "wall_s": time.perf_counter() - start,
     }
@@ -563,7 +576,7 @@ def main(argv):
     if traces:
         print(trace_table(traces))
     print(f"goal (K=2, M>=8, measured/ideal >= {GOAL}): {result['goal']}")
-    print(f"loop trace time, largest M / smallest M: {result['loop_trace_growth']}")
+    print(f"trace time, largest M / smallest M: {result['trace_growth']}")
     for entry in result["zero_bubble"] + result["loop_throughput"]:
         print(", ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
                         for key, value in entry.items()))
@@ -587,6 +600,8 @@ def _define_flags():
     flags.DEFINE_integer("steps", 3, "Steps per timed run.")
     flags.DEFINE_integer("warmup", 2, "Untimed calls per model (the first traces).")
     flags.DEFINE_string("trace_devices", "2", "K for the trace-time runs.")
+    flags.DEFINE_string("trace_executions", "unrolled,stage_functions,loop",
+                        "Executions of the trace-time runs.")
     flags.DEFINE_string("trace_microbatches", "1,2,4,8,16,32",
                         "M for the trace-time runs (empty: skip them).")
     flags.DEFINE_string("out", str(common.RESULTS_DIR / "schedules.json"),
