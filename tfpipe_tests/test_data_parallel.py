@@ -116,6 +116,7 @@ def test_stage_variables_and_slots_are_mirrored_over_their_column():
     pytest.param("1f1b", "loop", marks=pytest.mark.slow),
     pytest.param("zbh1", "unrolled", marks=pytest.mark.slow),
     pytest.param("interleaved", "unrolled", marks=pytest.mark.slow),
+    pytest.param("1f1b", "stage_functions", marks=pytest.mark.slow),
 ])
 def test_two_replicas_of_two_stages_train_like_plain_keras(schedule, execution):
     strategy = tfpipe.PipelineStrategy(
@@ -147,6 +148,7 @@ def _masked_tagger(activity=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule, execution", [
     ("gpipe", "unrolled"), ("1f1b", "unrolled"), ("gpipe", "loop"),
+    ("gpipe", "stage_functions"),
 ])
 def test_masked_loss_is_averaged_over_every_replicas_tokens(schedule, execution):
     rng = np.random.default_rng(0)
