@@ -565,7 +565,8 @@ BAD_FLAGS = [
     ("--model=vgg", "flag --model=vgg: value should be one of <mlp|resnet|transformer|unet>"),
     ("--recompute=sometimes", "flag --recompute=sometimes: value should be one of "
                               "<auto|always|except_last|never>"),
-    ("--execution=graph", "flag --execution=graph: value should be one of <unrolled|loop>"),
+    ("--execution=graph", "flag --execution=graph: value should be one of "
+                          "<unrolled|stage_functions|loop>"),
     ("--schedule=gpipee", "flag --schedule=gpipee: unknown schedule 'gpipee'; valid choices: "
                           "gpipe, 1f1b, interleaved (2 stages per device), interleaved:V (V "
                           "stages per device, V >= 1), zbh1, zbv (2 stages per device, in a "
