@@ -57,8 +57,8 @@ def _compile(model, optimizer="adam"):
                   metrics=["accuracy"])
 
 
-def _pipelined(model, m, optimizer="adam"):
-    with tfpipe.PipelineStrategy(num_microbatches=m).scope():
+def _pipelined(model, m, optimizer="adam", execution=None):
+    with tfpipe.PipelineStrategy(num_microbatches=m, execution=execution).scope():
         pipelined = tfpipe.PipelinedModel.from_model(model)  # balance by parameters
         _compile(pipelined, optimizer)
     return pipelined
@@ -104,11 +104,14 @@ def test_application_with_one_microbatch_is_plain_keras(name, kwargs):
         np.testing.assert_allclose(h_pipe[key], h_plain[key], rtol=1e-5, err_msg=key)
 
 
-@pytest.mark.parametrize("name, kwargs", [
-    pytest.param("MobileNetV2", dict(alpha=0.35), marks=pytest.mark.slow, id="MobileNetV2"),
-    pytest.param("ConvNeXtTiny", {}, marks=pytest.mark.slow, id="ConvNeXtTiny"),
+@pytest.mark.parametrize("name, kwargs, execution", [
+    pytest.param("MobileNetV2", dict(alpha=0.35), None, marks=pytest.mark.slow,
+                 id="MobileNetV2"),
+    pytest.param("MobileNetV2", dict(alpha=0.35), "stage_functions", marks=pytest.mark.slow,
+                 id="MobileNetV2-stage-functions"),
+    pytest.param("ConvNeXtTiny", {}, None, marks=pytest.mark.slow, id="ConvNeXtTiny"),
 ])
-def test_application_with_four_microbatches(name, kwargs):
+def test_application_with_four_microbatches(name, kwargs, execution):
     # 64x64 images, 4 per micro-batch: BatchNorm over a micro-batch of 1x1 maps
     # of 2 images is so ill-conditioned that rounding alone moves the result.
     model = _application(name, kwargs, size=64)
@@ -117,7 +120,7 @@ def test_application_with_four_microbatches(name, kwargs):
     has_bn = any(isinstance(l, keras.layers.BatchNormalization) for l in model.layers)
     # SGD against the eager oracle (see the module docstring), else Adam.
     optimizer = "sgd" if has_bn else "adam"
-    pipelined = _pipelined(model, 4, optimizer)
+    pipelined = _pipelined(model, 4, optimizer, execution)
     _compile(plain, optimizer)
     pipelined.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     if has_bn:
@@ -155,7 +158,9 @@ def _tokens(n=16):
     (2, dict(num_microbatches=4)),
     pytest.param(4, dict(num_microbatches=4, schedule="1f1b"), marks=pytest.mark.slow),
     pytest.param(4, dict(num_microbatches=4, execution="loop"), marks=pytest.mark.slow),
-], ids=["2-stages-gpipe", "4-stages-1f1b", "4-stages-loop"])
+    pytest.param(4, dict(num_microbatches=4, execution="stage_functions"),
+                 marks=pytest.mark.slow),
+], ids=["2-stages-gpipe", "4-stages-1f1b", "4-stages-loop", "4-stages-stage-functions"])
 def test_keras_hub_gpt2_with_tied_embedding(devices, setup):
     model = _gpt2()
     plain = _gpt2()
