@@ -36,10 +36,12 @@ no schedule can beat the core count, so `ratio_to_bound` also divides by
 min(ideal, usable cores).
 
 Trace time. For M in `--trace_microbatches` and each of `--trace_executions`
-("unrolled", "stage_functions", "loop"; all recompute="always"), a fresh child traces a throwaway model first (so
-the process's one-off first-trace costs, ~3 s, are not counted), then times
-`get_concrete_function` of the train step (trace_s: Python tracing), counts the graph's ops (top-level, and
-including nested function bodies: the loop's while body and switch branches),
+("unrolled", "stage_functions", "loop"; all recompute="always"), a fresh child
+traces a throwaway model first (so the process's one-off first-trace costs, ~3 s,
+are not counted), then times `get_concrete_function` of the train step without
+AutoGraph, as Keras' fit traces it (trace_s: Python tracing), counts the graph's
+ops (top-level, and including nested function bodies: the loop's while body and
+switch branches),
 then times the first call (first_call_s: graph optimisation, partitioning
 and one step) and a few steady steps. The model is small (width 64) so the
 trace, not the arithmetic, dominates.
@@ -319,7 +321,7 @@ def measure_trace(num_devices, num_microbatches, execution, schedule="gpipe",
     return out
 
 
-def trace_grid(devices, microbatches, executions=("unrolled", "stage_functions", "loop"), log=print,
+def trace_grid(devices, microbatches, executions=("unrolled", "loop"), log=print,
                timeout=1800, **kwargs):
     """`measure_trace` in a fresh child per (K, execution, M); a list of rows."""
     rows = []

@@ -148,8 +148,7 @@ class StageFunction:
         self.record = bool(step.backward_step and step.recorder.layers[k])
         self.traced = {}  # per trace: the BatchNorm layers, and per_row of each part
         # Not inlined into the step, so that TF places and optimises the
-        # stage's body once rather than in every call's copy (MobileNetV2, 4
-        # stages, M=8: the first call took 37.6 s against 47.0 s inlined).
+        # stage's body once rather than in every call's copy.
         self.function = tf.function(self._traced_body, autograph=False,
                                     reduce_retracing=True,
                                     experimental_attributes={"_noinline": True})
