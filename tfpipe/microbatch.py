@@ -92,6 +92,7 @@ class Split:
         self._base = self.num_rows // m
         self._extra = self.num_rows % m
         self.equal_size = None
+        self._made = {}  # (what, m, graph): a size made for a Python int m
 
     def assume_equal(self):
         """From now on every micro-batch has exactly N / M rows, taken with
@@ -104,29 +105,48 @@ class Split:
 
     # -- sizes ---------------------------------------------------------------
 
+    def _once(self, what, m, make):
+        # A Python int m (the unrolled step) asks for the same sizes from
+        # several actions: each is made once per trace, not once per action.
+        if not isinstance(m, int):
+            return make(m)
+        key = (what, m, tf.compat.v1.get_default_graph())
+        if key not in self._made:
+            self._made[key] = make(m)
+        return self._made[key]
+
     def size(self, m):
-        """Rows of micro-batch m (int32 scalar tensor; m int or tensor)."""
-        m = tf.cast(m, tf.int32)
+        """Rows of micro-batch m (m int or tensor): a Python int when N is
+        static and a multiple of M, else an int32 scalar tensor."""
         if self.equal_size is not None:
             return self.equal_size
-        return self._base + tf.cast(m < self._extra, tf.int32)
+        if self.static_size is not None:
+            return self.static_size
+        return self._once("size", m, lambda m: self._base + tf.cast(
+            tf.cast(m, tf.int32) < self._extra, tf.int32))
 
     def start(self, m):
-        """First row of micro-batch m (int32 scalar tensor)."""
-        m = tf.cast(m, tf.int32)
+        """First row of micro-batch m: a Python int when m is one and the
+        sizes are static, else an int32 scalar tensor."""
+        if self.static_size is not None and isinstance(m, int):
+            return m * self.static_size
         if self.equal_size is not None:
-            return m * self.equal_size
-        return m * self._base + tf.minimum(m, self._extra)
+            return tf.cast(m, tf.int32) * self.equal_size
+        return self._once("start", m, lambda m: tf.cast(m, tf.int32) * self._base
+                          + tf.minimum(tf.cast(m, tf.int32), self._extra))
 
     def fraction(self, m):
         """Micro-batch m's share of the (global) batch, rows / `total_rows`
         (float32 scalar; 0 if there are no rows)."""
-        return tf.math.divide_no_nan(tf.cast(self.size(m), tf.float32),
-                                     tf.cast(self.total_rows, tf.float32))
+        return self._once("fraction", m, lambda m: tf.math.divide_no_nan(
+            tf.cast(self.size(m), tf.float32), tf.cast(self.total_rows, tf.float32)))
 
     def real(self, m):
-        """1.0 if micro-batch m has rows, 0.0 if it stands in for an empty one."""
-        return tf.cast(self.size(m) > 0, tf.float32)
+        """1.0 if micro-batch m has rows, 0.0 if it stands in for an empty one
+        (a Python float when no micro-batch can be empty)."""
+        if self.static_size or self.equal_size is not None:
+            return 1.0
+        return self._once("real", m, lambda m: tf.cast(self.size(m) > 0, tf.float32))
 
     def _taken(self, m):
         """(start, rows) actually read for micro-batch m: an empty one reads row 0."""

@@ -308,3 +308,22 @@ def test_split_backward_holds_weight_gradients_until_w(name, held_back):
     released = [op for op in weight_matmuls if op.control_inputs]
     assert len(released) == (4 if held_back else 0)
     assert model.pipeline.trace_calls == [2, 2]  # one forward per micro-batch, no replay
+
+
+@pytest.mark.parametrize("rows, arithmetic", [(16, False), (None, True)])
+def test_static_micro_batches_are_cut_at_constant_rows(rows, arithmetic):
+    """A batch whose size is known when tracing and a multiple of M is cut
+    at Python-int rows: no per-micro-batch size arithmetic in the step (it
+    was a third of the step's ops per micro-batch); an unknown size computes
+    each micro-batch's rows once, whatever the actions that read them."""
+    ref = helpers.reference(helpers.mlp_layers(), (8,))
+    model = _pipelined(ref, "1f1b", 4, "stage_functions", "always",
+                       dict(optimizer="sgd", loss="mse"))
+    step = tf.function(model.train_step, autograph=False)
+    graph = step.get_concrete_function(
+        (tf.TensorSpec([rows, 8], tf.float32), tf.TensorSpec([rows, 3], tf.float32))).graph
+    kinds = [op.type for op in graph.get_operations()]
+    assert (kinds.count("Minimum") > 0) is arithmetic
+    # With an unknown size: each micro-batch's first row once (M=4), not once
+    # per action that reads the micro-batch.
+    assert kinds.count("Minimum") == (4 if arithmetic else 0)
