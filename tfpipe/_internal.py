@@ -21,6 +21,7 @@ from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util
 
@@ -281,6 +282,34 @@ def function_body(call_op):
             return getattr(function, "graph", None)
         graph = getattr(graph, "outer_graph", None)
     return None
+
+
+@contextlib.contextmanager
+def function_optimizer_off():
+    """Runs the block's `tf.function` calls, and the traces they start, with
+    grappler's function optimizer off, in this thread only.
+
+    That optimizer specialises a non-inlined function to each place it is
+    called (a copy per call op whose outputs are partly unused or whose
+    inputs are constants), and each copy is optimised again when it first
+    runs: a stage function called by 2M forward and backward actions was
+    optimised up to 2M times. `tf.config.optimizer.set_experimental_options`
+    would switch it off for the whole process; the eager context's
+    `function_call_options` (private) carry the grappler config that a call,
+    and every call op traced under it, runs with.
+    """
+    ctx = context.context()
+    saved = ctx.function_call_options
+    config = tf.compat.v1.ConfigProto()
+    config.ParseFromString(saved.config_proto_serialized)
+    config.graph_options.rewrite_options.function_optimization = (
+        config.graph_options.rewrite_options.OFF)
+    ctx.function_call_options = context.FunctionCallOptions(
+        executor_type=saved.executor_type, config_proto=config)
+    try:
+        yield
+    finally:
+        ctx.function_call_options = saved
 
 
 # -- Keras metadata on tensors ------------------------------------------------

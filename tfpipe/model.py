@@ -20,6 +20,7 @@ storage moves to its stage's device (`tfpipe.placement.place_variables`).
 """
 
 import contextlib
+import functools
 
 import keras
 import numpy as np
@@ -36,6 +37,7 @@ from tfpipe import microbatch
 from tfpipe import partition
 from tfpipe import placement
 from tfpipe import replicas
+from tfpipe import runtime
 from tfpipe import schedules
 from tfpipe import strategy as strategy_lib
 from tfpipe import xla
@@ -572,6 +574,37 @@ class PipelinedModel(keras.Model):
         self._check_batch(batch_size, x, "predict")
         self._build_from_data(x)
         return super().predict(x, batch_size, *args, **kwargs)
+
+    # Keras calls the function these make once per step (or per
+    # steps_per_execution); each call, and the trace the first one starts,
+    # runs in the execution's `runtime.call_scope`.
+
+    def make_train_function(self, force=False):
+        super().make_train_function(force)
+        self.train_function = self._in_call_scope(self.train_function)
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        super().make_test_function(force)
+        self.test_function = self._in_call_scope(self.test_function)
+        return self.test_function
+
+    def make_predict_function(self, force=False):
+        super().make_predict_function(force)
+        self.predict_function = self._in_call_scope(self.predict_function)
+        return self.predict_function
+
+    def _in_call_scope(self, function):
+        if (function is None or self.execution != "stage_functions"
+                or getattr(function, "_tfpipe_call_scope", False)):
+            return function
+
+        @functools.wraps(function)
+        def call(*args, **kwargs):
+            with runtime.call_scope(self.execution):
+                return function(*args, **kwargs)
+        call._tfpipe_call_scope = True  # pylint: disable=protected-access
+        return call
 
     def _batch(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)

@@ -129,6 +129,21 @@ def stage_body(step, k, packed, y_true, sample_weight, real, record):
     return out, extra, parts, calls
 
 
+def call_scope(execution):
+    """Context to trace and call a step of `execution` in (Keras' train,
+    test and predict functions; benchmarks that call a step themselves).
+
+    Under stage functions, grappler's function optimizer is off for the
+    step: it would specialise a stage function to each action that calls it
+    and optimise every copy again at the first call (MobileNetV2 in 4 stages
+    at M=8: a first fit 2x longer). Nothing inside a stage is inlined
+    either way; the other graph optimisations still run.
+    """
+    if execution == "stage_functions":
+        return _internal.function_optimizer_off()
+    return contextlib.nullcontext()
+
+
 class StageFunction:
     """Stage k's forward traced once per step trace as a `tf.function`, and
     called once per micro-batch (and per replay): the step's graph holds one

@@ -327,3 +327,21 @@ def test_static_micro_batches_are_cut_at_constant_rows(rows, arithmetic):
     # With an unknown size: each micro-batch's first row once (M=4), not once
     # per action that reads the micro-batch.
     assert kinds.count("Minimum") == (4 if arithmetic else 0)
+
+
+@pytest.mark.parametrize("execution, scoped", [("stage_functions", True),
+                                               ("unrolled", False), ("loop", False)])
+def test_keras_step_functions_run_in_the_execution_call_scope(execution, scoped):
+    """fit, evaluate and predict call their step through
+    `runtime.call_scope` under stage functions (grappler's function optimizer
+    off), once, however often Keras asks for the function."""
+    ref = helpers.reference(helpers.mlp_layers(), (8,))
+    model = _pipelined(ref, "gpipe", 2, execution, "always", dict(optimizer="sgd", loss="mse"))
+    x, y = np.ones((8, 8), "float32"), np.ones((8, 3), "float32")
+    model.fit(x, y, batch_size=8, verbose=0)
+    model.evaluate(x, y, batch_size=8, verbose=0)
+    model.predict(x, batch_size=8, verbose=0)
+    for function in (model.train_function, model.test_function, model.predict_function):
+        assert getattr(function, "_tfpipe_call_scope", False) is scoped
+    assert model.make_train_function() is model.train_function
+    assert getattr(model.make_train_function(force=True), "_tfpipe_call_scope", False) is scoped

@@ -1,5 +1,7 @@
 """`tfpipe.testing` and the private TF/Keras APIs that `tfpipe._internal` pins."""
 
+import contextlib
+
 import keras
 import pytest
 import tensorflow as tf
@@ -237,3 +239,29 @@ def test_unique_rows_are_seen_through_a_function_gradient(unique, expected):
 
     step.get_concrete_function(tf.TensorSpec([None, 2], tf.float32))
     assert found["unique"] is expected
+
+
+@pytest.mark.parametrize("scoped, optimizer", [(True, "OFF"), (False, "DEFAULT")])
+def test_function_optimizer_off_reaches_the_call_ops_traced_in_it(scoped, optimizer):
+    """`function_optimizer_off` (the eager context's private
+    `function_call_options`) sets the grappler config that a stage function's
+    call op is traced with, which is the config its body runs under, and
+    gives the thread its own options back afterwards."""
+    from tensorflow.core.protobuf import config_pb2  # pylint: disable=import-outside-toplevel
+    from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+
+    inner = tf.function(lambda x: x * 2.0, autograph=False,
+                        experimental_attributes={"_noinline": True})
+    outer = tf.function(lambda x: inner(x) + inner(x), autograph=False)
+    before = context.context().function_call_options
+    with _internal.function_optimizer_off() if scoped else contextlib.nullcontext():
+        graph = outer.get_concrete_function(tf.TensorSpec([], tf.float32)).graph
+        assert float(outer(tf.constant(1.0))) == 4.0
+    assert context.context().function_call_options is before
+    calls = [op for op in graph.get_operations() if op.type.endswith("PartitionedCall")]
+    assert len(calls) == 2
+    for op in calls:
+        config = config_pb2.ConfigProto.FromString(op.get_attr("config_proto"))
+        toggle = config.graph_options.rewrite_options.function_optimization
+        assert rewriter_config_pb2.RewriterConfig.Toggle.Name(toggle) == optimizer
