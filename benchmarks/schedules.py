@@ -156,14 +156,20 @@ class _Timed:
 
     def __init__(self, model, x, y, executor=None):
         import contextlib  # pylint: disable=import-outside-toplevel
+        import functools  # pylint: disable=import-outside-toplevel
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        import tfpipe  # pylint: disable=import-outside-toplevel
         self._executor = executor or contextlib.nullcontext
-        # As Keras' fit traces it: without AutoGraph (it would convert tfpipe's
-        # own Python, which fit never does, and inflate the trace time).
+        # As Keras' fit traces and calls it: without AutoGraph (it would
+        # convert tfpipe's own Python, which fit never does, and inflate the
+        # trace time), in the execution's call scope.
+        self._scope = (functools.partial(tfpipe.runtime.call_scope, model.execution)
+                       if isinstance(model, tfpipe.PipelinedModel) else contextlib.nullcontext)
         fn = tf.function(lambda a, b: model.train_step((a, b)), autograph=False)
         start = time.perf_counter()
-        self.concrete = fn.get_concrete_function(tf.TensorSpec(x.shape, x.dtype),
-                                                 tf.TensorSpec(y.shape, y.dtype))
+        with self._scope():
+            self.concrete = fn.get_concrete_function(tf.TensorSpec(x.shape, x.dtype),
+                                                     tf.TensorSpec(y.shape, y.dtype))
         self.trace_s = time.perf_counter() - start
         self.ops, self.ops_total = common.count_ops(self.concrete)
         self._args = (x, y)
@@ -173,7 +179,7 @@ class _Timed:
         self.first_call_s = time.perf_counter() - start
 
     def _call(self):
-        with self._executor():
+        with self._executor(), self._scope():
             out = self.concrete(*self._args)
         return float(out["loss"])
 
