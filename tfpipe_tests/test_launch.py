@@ -268,18 +268,36 @@ def test_flags_cover_the_config():
             assert field in flag_names, field
 
 
+class _KeepModel(keras.callbacks.Callback):
+    """Keeps the model `fit` trained, for a look at its variables afterwards."""
+
+    def on_train_end(self, logs=None):
+        self.trained = self.model
+
+
+def _moving_statistics(variables):
+    return [v for v in variables if v.path.endswith(("moving_mean", "moving_variance"))]
+
+
 @pytest.mark.slow
 def test_resnet_with_default_flags_matches_plain_keras_accuracy(tmp_path):
     # The residual blocks nest their BatchNormalization layers; deferred BN
     # must reach them, or the moving statistics (and evaluation) go wrong.
     from models import resnet_cnn  # pylint: disable=import-outside-toplevel
 
-    result = train_lib.train(_config(tmp_path, model="resnet"))
+    keep = _KeepModel()
+    result = train_lib.train(_config(tmp_path, model="resnet"), callbacks=[keep])
     config = train_lib.TrainConfig()
     data = data_lib.load("digits", seed=config.seed)
     keras.utils.set_random_seed(config.seed)
     plain = resnet_cnn.resnet_cnn(data.image_shape, data.num_classes,
                                   num_blocks=max(4, config.stages))
+    # Every BatchNormalization, nested ones included, updated its statistics.
+    statistics = _moving_statistics(keep.trained.non_trainable_variables)
+    assert len(statistics) == len(_moving_statistics(plain.non_trainable_variables)) >= 20
+    for variable in statistics:
+        initial = 1.0 if variable.path.endswith("variance") else 0.0
+        assert np.any(np.abs(variable.numpy() - initial) > 1e-3), variable.path
     plain.compile(optimizer=keras.optimizers.Adam(config.learning_rate),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
@@ -288,5 +306,9 @@ def test_resnet_with_default_flags_matches_plain_keras_accuracy(tmp_path):
     _, plain_accuracy = plain.evaluate(data.x_val, data.y_val, batch_size=config.batch_size,
                                        verbose=0)
     assert plain_accuracy > 0.7
-    assert abs(result["val_accuracy"] - plain_accuracy) < 0.05, (result["val_accuracy"],
-                                                                 plain_accuracy)
+    # One-sided: micro-batch BatchNorm and several epochs of rounding make
+    # the two runs differ by a few points either way (0.84 pipelined against
+    # 0.79 plain on one CI machine); statistics that never reached a nested
+    # layer evaluate near chance.
+    assert result["val_accuracy"] > plain_accuracy - 0.05, (result["val_accuracy"],
+                                                            plain_accuracy)
