@@ -7,7 +7,9 @@ inputs, 10 classes, `weights=None`) cut into `--stages` stages by params:
 
   first_fit_s   wall time of `fit` on one batch (trace, optimisation, one
                 step): what a user waits for before the first step
-  step_ms       a later step's time (the same fit call's second step)
+  step_ms       the median of `--steps` later steps, each timed from Keras'
+                `on_train_batch_begin` to `on_train_batch_end` in a second
+                `fit` (its first step left out); `steps_ms` lists them all
 
 for plain Keras (one device) and for tfpipe with each execution and M in
 `--microbatches`, each in a fresh child process (logical CPUs, default
@@ -19,6 +21,7 @@ time, is the result: both share the machine's speed.
 """
 
 import os
+import statistics
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
@@ -28,15 +31,17 @@ from benchmarks import common
 IMAGE, CLASSES = 32, 10
 
 
-def measure_first_fit(num_microbatches, execution, stages, batch, pipelined=True, seed=0):
-    """Builds MobileNetV2 (pipelined or plain); times the first fit; in a child."""
+def measure_first_fit(num_microbatches, execution, stages, batch, pipelined=True, seed=0,
+                      steps=8):
+    """Builds MobileNetV2 (pipelined or plain); times the first fit, then
+    `steps` later steps; in a child."""
     import keras  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     import tfpipe  # pylint: disable=import-outside-toplevel
     keras.utils.set_random_seed(seed)
     rng = np.random.default_rng(seed)
-    x = rng.normal(size=(2 * batch, IMAGE, IMAGE, 3)).astype("float32")
-    y = rng.integers(0, CLASSES, size=(2 * batch,))
+    x = rng.normal(size=((steps + 1) * batch, IMAGE, IMAGE, 3)).astype("float32")
+    y = rng.integers(0, CLASSES, size=((steps + 1) * batch,))
     source = keras.applications.MobileNetV2(weights=None, input_shape=(IMAGE, IMAGE, 3),
                                             classes=CLASSES)
     compile_kwargs = dict(optimizer="adam", loss="sparse_categorical_crossentropy")
@@ -53,14 +58,34 @@ def measure_first_fit(num_microbatches, execution, stages, batch, pipelined=True
     start = time.perf_counter()
     model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0, shuffle=False)
     first = time.perf_counter() - start
-    start = time.perf_counter()
-    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
-    steady = (time.perf_counter() - start) / 2
-    return {"first_fit_s": first, "step_ms": 1000.0 * steady,
+    timer = StepTimer()
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
+    later = timer.steps_ms[1:]  # the second fit's first step sets up its iterator
+    return {"first_fit_s": first, "step_ms": statistics.median(later), "steps_ms": later,
             "peak_rss_mib": common.peak_rss_mib()}
 
 
-def grid(microbatches, executions, stages=4, batch=32, log=print, timeout=1800):
+def StepTimer():  # pylint: disable=invalid-name
+    """A Keras callback that lists each training step's wall time (ms),
+    from `on_train_batch_begin` to `on_train_batch_end` (Keras calls the
+    step function in between and it returns when the step has run)."""
+    import keras  # pylint: disable=import-outside-toplevel
+
+    class _StepTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.steps_ms, self._start = [], None
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.steps_ms.append(1000.0 * (time.perf_counter() - self._start))
+
+    return _StepTimer()
+
+
+def grid(microbatches, executions, stages=4, batch=32, steps=8, log=print, timeout=1800):
     """The plain model, then every (execution, M); a list of rows."""
     rows = []
     configs = [("plain", 1)] + [(e, m) for e in executions for m in microbatches]
@@ -68,7 +93,7 @@ def grid(microbatches, executions, stages=4, batch=32, log=print, timeout=1800):
         result = common.run_child(
             "benchmarks.first_step:measure_first_fit",
             dict(num_microbatches=m, execution=execution if execution != "plain" else None,
-                 stages=stages, batch=batch, pipelined=execution != "plain"),
+                 stages=stages, batch=batch, pipelined=execution != "plain", steps=steps),
             intra_op=0, inter_op=0, devices=stages, timeout=timeout)
         row = {"execution": execution, "num_microbatches": m, "result": result}
         row.update({k: result.get(k) for k in ("first_fit_s", "step_ms")})
@@ -86,7 +111,7 @@ def grid(microbatches, executions, stages=4, batch=32, log=print, timeout=1800):
 
 def table(rows):
     return common.markdown_table(
-        ["execution", "M", "first fit (s)", "first fit / plain", "step (ms)"],
+        ["execution", "M", "first fit (s)", "first fit / plain", "median later step (ms)"],
         [[r["execution"], str(r["num_microbatches"]), common.fmt(r["first_fit_s"], 1),
           common.fmt(r["first_fit_over_plain"]), common.fmt(r["step_ms"], 0)] for r in rows])
 
@@ -101,7 +126,7 @@ def main(argv):
     info = common.machine()
     print(f"machine: {common.machine_label(info)}; load average {info['load_average_at_start']}")
     rows = grid(common.parse_ints(f.microbatches), [e for e in f.executions.split(",") if e],
-                stages=f.stages, batch=f.batch)
+                stages=f.stages, batch=f.batch, steps=f.steps)
     print(table(rows))
     out = common.write_json(f.out, {"machine": info, "rows": rows,
                                     "wall_s": time.perf_counter() - start})
@@ -114,6 +139,7 @@ def _define_flags():
     flags.DEFINE_string("executions", "unrolled,stage_functions,loop", "Executions to time.")
     flags.DEFINE_integer("stages", 4, "Stages (logical CPUs).")
     flags.DEFINE_integer("batch", 32, "Rows per step (a multiple of every M).")
+    flags.DEFINE_integer("steps", 8, "Later steps timed for step_ms (their median).")
     flags.DEFINE_string("out", str(common.RESULTS_DIR / "first_step.json"), "JSON output.")
 
 

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from benchmarks import common
+from benchmarks import first_step
 from benchmarks import memory
 from benchmarks import run
 from benchmarks import schedules
@@ -73,6 +74,18 @@ def test_measure_trace_loop_in_process():
     result = schedules.measure_trace(2, 2, "loop", batch=8, width=4, layers=2, steps=1)
     assert result["ops_total"] > result["ops"]  # the while body is a nested function
     assert result["trace_s"] > 0 and result["first_call_s"] > 0
+
+
+@pytest.mark.slow  # builds MobileNetV2 twice: ~30 s
+@pytest.mark.parametrize("pipelined, execution", [(False, None), (True, "stage_functions")])
+def test_first_step_times_the_first_fit_and_each_later_step(pipelined, execution):
+    result = first_step.measure_first_fit(2, execution, stages=2, batch=4,
+                                          pipelined=pipelined, steps=3)
+    assert result["first_fit_s"] > 0
+    # The second fit runs 4 steps; its first (iterator set-up) is left out.
+    assert len(result["steps_ms"]) == 3 and all(t > 0 for t in result["steps_ms"])
+    assert result["step_ms"] == sorted(result["steps_ms"])[1]  # the median
+    json.dumps(result)
 
 
 def test_largest_model_search_finds_the_boundary(monkeypatch):
