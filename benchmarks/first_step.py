@@ -18,6 +18,7 @@ time, is the result: both share the machine's speed.
 
     python -m benchmarks.first_step                              # ~6 min on 2 cores
     python -m benchmarks.first_step --microbatches=1,8 --executions=loop
+    python -m benchmarks.first_step --microbatches=8 --onednn=default,off
 """
 
 import os
@@ -85,35 +86,54 @@ def StepTimer():  # pylint: disable=invalid-name
     return _StepTimer()
 
 
-def grid(microbatches, executions, stages=4, batch=32, steps=8, log=print, timeout=1800):
-    """The plain model, then every (execution, M); a list of rows."""
+ONEDNN = {"default": {}, "off": {"TF_ENABLE_ONEDNN_OPTS": "0"}}  # child environments
+
+
+def grid(microbatches, executions, stages=4, batch=32, steps=8, onednn=("default",), log=print,
+         timeout=1800):
+    """For each oneDNN setting (`ONEDNN`: "default" leaves TensorFlow's choice
+    for this CPU, "off" sets TF_ENABLE_ONEDNN_OPTS=0), the plain model, then
+    every (execution, M); a list of rows, each over its own setting's plain."""
+    for setting in onednn:  # all checked before the first child runs
+        if setting not in ONEDNN:
+            raise ValueError(f"onednn: {setting!r} is not one of {sorted(ONEDNN)}; "
+                             "pass e.g. --onednn=default,off")
     rows = []
-    configs = [("plain", 1)] + [(e, m) for e in executions for m in microbatches]
-    for execution, m in configs:
-        result = common.run_child(
-            "benchmarks.first_step:measure_first_fit",
-            dict(num_microbatches=m, execution=execution if execution != "plain" else None,
-                 stages=stages, batch=batch, pipelined=execution != "plain", steps=steps),
-            intra_op=0, inter_op=0, devices=stages, timeout=timeout)
-        row = {"execution": execution, "num_microbatches": m, "result": result}
-        row.update({k: result.get(k) for k in ("first_fit_s", "step_ms")})
-        rows.append(row)
-        log(f"{execution:<9} M={m:<3} first fit {common.fmt(row['first_fit_s'], 1)} s  "
-            f"step {common.fmt(row['step_ms'], 0)} ms"
-            + (f"  ERROR {str(result['error']).strip().splitlines()[-1]}"
-               if "error" in result else ""))
-    plain = rows[0]["first_fit_s"]
-    for row in rows:
-        row["first_fit_over_plain"] = (row["first_fit_s"] / plain
-                                       if plain and row["first_fit_s"] else None)
+    for setting in onednn:
+        configs = [("plain", 1)] + [(e, m) for e in executions for m in microbatches]
+        setting_rows = []
+        for execution, m in configs:
+            result = common.run_child(
+                "benchmarks.first_step:measure_first_fit",
+                dict(num_microbatches=m, execution=execution if execution != "plain" else None,
+                     stages=stages, batch=batch, pipelined=execution != "plain", steps=steps),
+                intra_op=0, inter_op=0, devices=stages, timeout=timeout, env=ONEDNN[setting])
+            row = {"execution": execution, "num_microbatches": m, "onednn": setting,
+                   "result": result}
+            row.update({k: result.get(k) for k in ("first_fit_s", "step_ms")})
+            setting_rows.append(row)
+            log(f"{execution:<9} M={m:<3} oneDNN {setting:<7} first fit "
+                f"{common.fmt(row['first_fit_s'], 1)} s  step {common.fmt(row['step_ms'], 0)} ms"
+                + (f"  ERROR {str(result['error']).strip().splitlines()[-1]}"
+                   if "error" in result else ""))
+        plain = setting_rows[0]["first_fit_s"]
+        for row in setting_rows:
+            row["first_fit_over_plain"] = (row["first_fit_s"] / plain
+                                           if plain and row["first_fit_s"] else None)
+        rows += setting_rows
     return rows
 
 
 def table(rows):
+    """A markdown table; a oneDNN column only when the rows have several settings."""
+    settings = len({r.get("onednn", "default") for r in rows}) > 1
     return common.markdown_table(
-        ["execution", "M", "first fit (s)", "first fit / plain", "median later step (ms)"],
-        [[r["execution"], str(r["num_microbatches"]), common.fmt(r["first_fit_s"], 1),
-          common.fmt(r["first_fit_over_plain"]), common.fmt(r["step_ms"], 0)] for r in rows])
+        ["execution", "M"] + (["oneDNN"] if settings else [])
+        + ["first fit (s)", "first fit / plain", "median later step (ms)"],
+        [[r["execution"], str(r["num_microbatches"])]
+         + ([r.get("onednn", "default")] if settings else [])
+         + [common.fmt(r["first_fit_s"], 1), common.fmt(r["first_fit_over_plain"]),
+            common.fmt(r["step_ms"], 0)] for r in rows])
 
 
 def main(argv):
@@ -126,7 +146,8 @@ def main(argv):
     info = common.machine()
     print(f"machine: {common.machine_label(info)}; load average {info['load_average_at_start']}")
     rows = grid(common.parse_ints(f.microbatches), [e for e in f.executions.split(",") if e],
-                stages=f.stages, batch=f.batch, steps=f.steps)
+                stages=f.stages, batch=f.batch, steps=f.steps,
+                onednn=[o for o in f.onednn.split(",") if o])
     print(table(rows))
     out = common.write_json(f.out, {"machine": info, "rows": rows,
                                     "wall_s": time.perf_counter() - start})
@@ -140,6 +161,9 @@ def _define_flags():
     flags.DEFINE_integer("stages", 4, "Stages (logical CPUs).")
     flags.DEFINE_integer("batch", 32, "Rows per step (a multiple of every M).")
     flags.DEFINE_integer("steps", 8, "Later steps timed for step_ms (their median).")
+    flags.DEFINE_string("onednn", "default",
+                        "oneDNN settings, each a full grid: default (TensorFlow's choice for "
+                        "this CPU) and/or off (TF_ENABLE_ONEDNN_OPTS=0).")
     flags.DEFINE_string("out", str(common.RESULTS_DIR / "first_step.json"), "JSON output.")
 
 

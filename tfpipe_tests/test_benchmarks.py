@@ -88,6 +88,22 @@ def test_first_step_times_the_first_fit_and_each_later_step(pipelined, execution
     json.dumps(result)
 
 
+@pytest.mark.parametrize("onednn", [("on",), ("default", "OFF")])
+def test_first_step_names_an_unknown_onednn_setting(onednn):
+    with pytest.raises(ValueError, match=r"onednn: '(on|OFF)' is not one of \['default', 'off'\]"):
+        first_step.grid([1], [], onednn=onednn, log=lambda line: None)
+
+
+def test_first_step_table_has_a_onednn_column_only_for_several_settings():
+    row = dict(execution="plain", num_microbatches=1, first_fit_s=1.0,
+               first_fit_over_plain=1.0, step_ms=5.0)
+    one = first_step.table([{**row, "onednn": "default"}])
+    both = first_step.table([{**row, "onednn": "default"}, {**row, "onednn": "off"}])
+    assert "oneDNN" not in one
+    assert both.splitlines()[0].split("|")[3].strip() == "oneDNN"
+    assert "| off |" in both
+
+
 def test_largest_model_search_finds_the_boundary(monkeypatch):
     calls = []
 
