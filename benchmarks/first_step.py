@@ -91,9 +91,11 @@ ONEDNN = {"default": {}, "off": {"TF_ENABLE_ONEDNN_OPTS": "0"}}  # child environ
 
 def grid(microbatches, executions, stages=4, batch=32, steps=8, onednn=("default",), log=print,
          timeout=1800):
-    """For each oneDNN setting (`ONEDNN`: "default" leaves TensorFlow's choice
-    for this CPU, "off" sets TF_ENABLE_ONEDNN_OPTS=0), the plain model, then
-    every (execution, M); a list of rows, each over its own setting's plain."""
+    """For each oneDNN setting (`ONEDNN`: "default" keeps this process's
+    environment, so TensorFlow's choice for the CPU unless
+    TF_ENABLE_ONEDNN_OPTS is already set; "off" sets it to 0), the plain
+    model, then every (execution, M); a list of rows, each over its own
+    setting's plain."""
     for setting in onednn:  # all checked before the first child runs
         if setting not in ONEDNN:
             raise ValueError(f"onednn: {setting!r} is not one of {sorted(ONEDNN)}; "
