@@ -35,14 +35,18 @@ boundary + never / M ("GPipe model" column, scaled from the measured
 never, M=1 run).
 
 Largest model that fits. For recompute "never" and "always" at the same M, a
-search over layer counts (a fresh child per probe; one whose resident set
-passes the cap is killed early) finds the largest count whose child peak
-stays within runtime + `budget_mib`, where runtime is the peak of a child
-that only starts TensorFlow. Reported: layers, parameters, and the
-always / never parameter ratio: the analogue of GPipe's 82M -> 318M
-parameters on one accelerator with re-materialisation.
+search over layer counts (a fresh child per probe) finds the largest count
+whose child stays within `budget_mib`, held by one of two measures
+(`MEASURES`): "process", the child's peak resident set above runtime, the
+peak of a child that only starts TensorFlow (a probe that passes the cap is
+killed early); or "tensors", the peak of live tensors in TensorFlow's CPU
+allocator: what an accelerator would hold, without the host's graph.
+Reported: layers, parameters, and the always / never parameter ratio: the
+analogue of GPipe's 82M -> 318M parameters on one accelerator with
+re-materialisation.
 
     python -m benchmarks.memory                              # ~3-6 min on 2 cores
+    python -m benchmarks.memory --microbatches= --capacity_measure=tensors
     python -m benchmarks.memory --layers=4 --width=64 --batch=1024 --budget_mib=0
 """
 
@@ -68,6 +72,17 @@ CAPACITY_MODEL = {"width": 128, "batch": 16384, "num_microbatches": 4}
 # once held, is off: the resident set then follows live memory.
 CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536",
              "TF_ENABLE_ONEDNN_OPTS": "0"}
+# What the capacity search holds under the budget. "process": the child's peak
+# resident set above the runtime's (tensors, the Python graph and its
+# optimisation, allocator slack: everything a host pays). "tensors": the peak
+# bytes of live tensors in TensorFlow's CPU allocator (variables, optimizer
+# slots, the batch, activations, gradients, temporaries): what an accelerator
+# holds, since graph and Python live on the host. With oneDNN off TensorFlow
+# keeps allocator statistics only for its BFC allocator, which pools memory, so
+# a "tensors" child's resident set no longer follows live memory.
+MEASURES = ("process", "tensors")
+CHILD_ENVS = {"process": CHILD_ENV,
+              "tensors": dict(CHILD_ENV, TF_CPU_ALLOCATOR_USE_BFC="true")}
 MIB = 2.0**20
 
 
@@ -87,6 +102,28 @@ def _trim():
         import ctypes  # pylint: disable=import-outside-toplevel
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
+        pass
+
+
+def _tensor_mib(key):
+    """TensorFlow's CPU allocator: "current" or "peak" bytes of live tensors, MiB.
+
+    The analogue of an accelerator's memory: tensors only, without the
+    Python graph, the runtime or the allocator's unused pages. None where
+    TensorFlow keeps no statistics for the device.
+    """
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    try:
+        return tf.config.experimental.get_memory_info("CPU:0")[key] / MIB
+    except (ValueError, RuntimeError):
+        return None
+
+
+def _reset_tensor_peak():
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    try:
+        tf.config.experimental.reset_memory_stats("CPU:0")
+    except (ValueError, RuntimeError):
         pass
 
 
@@ -161,6 +198,8 @@ def measure_memory(layers, width, batch, num_microbatches=1, recompute="never",
         _trim()
         traced = common.rss_mib()
         result["trace_mib"] = traced - before_trace
+        held_mib = _tensor_mib("current")  # variables, optimizer slots, the batch
+        _reset_tensor_peak()
         start = time.perf_counter()
         loss = float(concrete(x, y)["loss"])  # graph optimisation, first allocations
         result["first_step_s"] = time.perf_counter() - start
@@ -172,17 +211,21 @@ def measure_memory(layers, width, batch, num_microbatches=1, recompute="never",
             loss = float(concrete(x, y)["loss"])
             runs.append(common.peak_rss_mib() - before if reset else None)
         result["loss"] = loss
+        result["tensor_held_mib"] = held_mib
+        result["tensor_peak_mib"] = _tensor_mib("peak")
         result["runs_mib"] = runs
         result["run_mib"] = max(runs) if runs and None not in runs else None
     result["peak_mib"] = _max_rss_mib()
     return result
 
 
-def run_memory(timeout=1800, rss_limit_mib=None, **kwargs):
-    """`measure_memory` in a fresh child (1 intra-op, 1 inter-op thread, CHILD_ENV)."""
+def run_memory(timeout=1800, rss_limit_mib=None, measure="process", **kwargs):
+    """`measure_memory` in a fresh child (1 intra-op, 1 inter-op thread), with
+    the environment of `measure` (`CHILD_ENVS`)."""
     return common.run_child("benchmarks.memory:measure_memory", kwargs, intra_op=1,
                             inter_op=1, devices=kwargs.get("num_devices", 1),
-                            timeout=timeout, rss_limit_mib=rss_limit_mib, env=CHILD_ENV)
+                            timeout=timeout, rss_limit_mib=rss_limit_mib,
+                            env=CHILD_ENVS[measure])
 
 
 def runtime_only():
@@ -304,34 +347,47 @@ def plot_memory(grid, path, title=""):
 
 
 def largest_model(recompute, budget_mib, runtime_mib, width, batch, num_microbatches,
-                  start=(4, 8), max_layers=512, steps=1, log=print, segment_layers=0):
-    """The most layers whose child peak stays <= runtime_mib + budget_mib.
+                  start=(4, 8), max_layers=512, steps=1, log=print, segment_layers=0,
+                  measure="process"):
+    """The most layers whose child peak stays <= the cap.
+
+    measure "process": the child's peak resident set against runtime_mib +
+    budget_mib (a probe whose resident set passes the cap is killed early);
+    "tensors": its allocator's peak of live tensors against budget_mib
+    (runtime_mib is not used). See `MEASURES`.
 
     Probes the `start` layer counts, then guesses from a straight line through
     the two measured peaks nearest the cap (secant), clamped inside the
     bracket (largest fitting, smallest failing count) so that every probe
-    narrows it, until the two are 1 apart; without two measured points it
-    doubles or bisects. A probe whose resident set passes the cap is killed
-    early and counts as failing.
+    narrows it, until the two are 1 apart; without two measured points, or
+    once the bracket is 8 layers or fewer, it doubles or bisects. A probe that errs counts as failing.
     """
-    cap = runtime_mib + budget_mib
+    if measure not in MEASURES:
+        raise ValueError(f"measure={measure!r}: expected one of {MEASURES}.")
+    cap = runtime_mib + budget_mib if measure == "process" else budget_mib
+    peak_key = "peak_mib" if measure == "process" else "tensor_peak_mib"
     points, probes = {}, []
     lo, hi = 0, max_layers + 1
 
     def probe(layers):
         result = run_memory(layers=layers, width=width, batch=batch,
                             num_microbatches=num_microbatches, recompute=recompute,
-                            steps=steps, rss_limit_mib=cap, segment_layers=segment_layers)
-        fits = "error" not in result and result["peak_mib"] <= cap
+                            steps=steps, segment_layers=segment_layers, measure=measure,
+                            rss_limit_mib=cap if measure == "process" else None)
+        if "error" not in result and result.get(peak_key) is None:
+            result = {"error": f"the child reported no {peak_key} (allocator statistics "
+                               f"off?)"}
+        fits = "error" not in result and result[peak_key] <= cap
         if "error" not in result:
-            points[layers] = result["peak_mib"]
-        probes.append({"layers": layers, "fits": fits, "peak_mib": result.get("peak_mib"),
+            points[layers] = result[peak_key]
+        probes.append({"layers": layers, "fits": fits, "peak_mib": result.get(peak_key),
+                       "process_peak_mib": result.get("peak_mib"),
                        "error": (str(result["error"]).strip().splitlines()[-1]
                                  if "error" in result else None),
                        "child_wall_s": result.get("child_wall_s")})
-        log(f"  recompute={recompute:<6} segments of {segment_layers or 'all'} "
+        log(f"  {measure}: recompute={recompute:<6} segments of {segment_layers or 'all'} "
             f"layers={layers:<4} peak "
-            f"{common.fmt(result.get('peak_mib'), 1)} MiB (cap {cap:.0f}) -> "
+            f"{common.fmt(result.get(peak_key), 1)} MiB (cap {cap:.0f}) -> "
             f"{'fits' if fits else 'does not fit'}"
             + (f" ({probes[-1]['error']})" if probes[-1]["error"] else ""))
         return fits
@@ -344,7 +400,9 @@ def largest_model(recompute, budget_mib, runtime_mib, width, batch, num_microbat
                 hi = layers
     while hi - lo > 1 and lo < max_layers:
         guess = None
-        if len(points) >= 2:
+        # Within a few layers of the boundary the peaks' noise (~1 MiB) steers
+        # the secant one layer at a time; bisection ends it in log2 probes.
+        if len(points) >= 2 and hi - lo > 8:
             (l1, p1), (l2, p2) = sorted(points.items(), key=lambda kv: abs(kv[1] - cap))[:2]
             if p1 != p2 and (p2 - p1) / (l2 - l1) > 0:
                 guess = int(l1 + (cap - p1) * (l2 - l1) / (p2 - p1))
@@ -355,29 +413,35 @@ def largest_model(recompute, budget_mib, runtime_mib, width, batch, num_microbat
             lo = guess
         else:
             hi = guess
-    return {"recompute": recompute, "segment_layers": segment_layers,
+    return {"recompute": recompute, "segment_layers": segment_layers, "measure": measure,
             "layers": lo, "params": params(lo, width),
+            "at_search_limit": lo >= max_layers,  # then `layers` is a lower bound
             "cap_mib": cap, "budget_mib": budget_mib, "probes": probes,
             "peak_mib_at_layers": points.get(lo)}
 
 
 def capacity(budget_mib, width, batch, num_microbatches, steps=1, log=print,
-             segment_layers=(), **kwargs):
+             segment_layers=(), measure="process", **kwargs):
     """`largest_model` for recompute "never", "always" and "always" in
-    segments of each of `segment_layers` layers; parameter ratios to never."""
-    runtime = common.run_child("benchmarks.memory:runtime_only", {}, intra_op=1, inter_op=1,
-                               env=CHILD_ENV)
-    if "error" in runtime:
-        return {"error": runtime["error"], "runtime": runtime}
+    segments of each of `segment_layers` layers, under `measure`'s budget;
+    parameter ratios to never."""
+    if measure not in MEASURES:
+        raise ValueError(f"measure={measure!r}: expected one of {MEASURES}.")
+    runtime = {"peak_mib": 0.0}  # "tensors": the budget is absolute
+    if measure == "process":
+        runtime = common.run_child("benchmarks.memory:runtime_only", {}, intra_op=1,
+                                   inter_op=1, env=CHILD_ENV)
+        if "error" in runtime:
+            return {"error": runtime["error"], "runtime": runtime}
     modes = [("never", "never", 0), ("always", "always", 0)] + [
         (f"always/segments of {n}", "always", n) for n in segment_layers]
     found = {name: largest_model(r, budget_mib, runtime["peak_mib"], width, batch,
                                  num_microbatches, steps=steps, log=log, segment_layers=n,
-                                 **kwargs)
+                                 measure=measure, **kwargs)
              for name, r, n in modes}
     never, always = found["never"]["params"], found["always"]["params"]
     ratios = {name: found[name]["params"] / never if never else None for name, _, _ in modes}
-    return {"budget_mib": budget_mib, "runtime_mib": runtime["peak_mib"],
+    return {"budget_mib": budget_mib, "runtime_mib": runtime["peak_mib"], "measure": measure,
             "model": {"width": width, "batch": batch, "num_microbatches": num_microbatches,
                       "num_devices": 1, "steps": steps,
                       "description": f"{IN_WIDTH} -> L x Dense({width}, relu) -> "
@@ -393,13 +457,18 @@ def capacity_table(result):
     rows = []
     modes = result.get("modes") or {m: result[m] for m in ("never", "always")}
     for mode, found in modes.items():
-        rows.append([mode, str(found["layers"]), f"{found['params'] / 1e6:.3f}M",
+        at_limit = found.get("at_search_limit")
+        rows.append([mode, (">= " if at_limit else "") + str(found["layers"]),
+                     (">= " if at_limit else "") + f"{found['params'] / 1e6:.3f}M",
                      common.fmt(found["peak_mib_at_layers"], 1), f"{found['cap_mib']:.0f}",
                      str(len(found["probes"])),
-                     common.fmt((result.get("ratios") or {}).get(mode, result["ratio"]
-                                                                 if mode == "always" else 1.0))])
-    return common.markdown_table(["recompute", "layers", "parameters", "peak MiB",
-                                  "cap MiB (runtime + budget)", "probes",
+                     (">= " if at_limit else "") + common.fmt(
+                         (result.get("ratios") or {}).get(
+                             mode, result.get("ratio") if mode == "always" else 1.0))])
+    measure = result.get("measure", "process")
+    peak, cap = {"process": ("process peak MiB", "cap MiB (runtime + budget)"),
+                 "tensors": ("tensor peak MiB", "cap MiB (budget)")}[measure]
+    return common.markdown_table(["recompute", "layers", "parameters", peak, cap, "probes",
                                   "parameters / never"], rows)
 
 
@@ -412,23 +481,36 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
+    measures = [m for m in f.capacity_measure.split(",") if m]
+    bad = [m for m in measures if m not in MEASURES]
+    if bad:
+        raise app.UsageError(f"--capacity_measure={f.capacity_measure!r}: {bad} not in "
+                             f"{MEASURES}; pass a comma-separated subset, e.g. "
+                             f"--capacity_measure=process,tensors.")
     start = time.perf_counter()
     info = common.machine()
     print(f"machine: {common.machine_label(info)}")
-    grid = memory_grid(f.layers, f.width, f.batch, common.parse_ints(f.microbatches),
-                       num_devices=f.num_devices, parallel=f.parallel)
-    print(memory_table(grid))
-    cap = None
+    grid, microbatches = None, common.parse_ints(f.microbatches)
+    if microbatches:  # empty: the capacity search only
+        grid = memory_grid(f.layers, f.width, f.batch, microbatches,
+                           num_devices=f.num_devices, parallel=f.parallel)
+        print(memory_table(grid))
+    caps = {}
     if f.budget_mib:
-        cap = capacity(f.budget_mib, f.capacity_width, f.capacity_batch,
-                       f.capacity_microbatches,
-                       segment_layers=common.parse_ints(f.segment_layers))
-        print(capacity_table(cap))
-    out = common.write_json(f.out, {"machine": info, "memory": grid, "capacity": cap,
+        for measure in measures:
+            caps[measure] = capacity(f.budget_mib, f.capacity_width, f.capacity_batch,
+                                     f.capacity_microbatches, measure=measure,
+                                     segment_layers=common.parse_ints(f.segment_layers))
+            print(capacity_table(caps[measure]))
+    out = common.write_json(f.out, {"machine": info, "memory": grid,
+                                    "capacity": caps.get("process"),
+                                    "capacity_by_measure": caps,
                                     "wall_s": time.perf_counter() - start})
-    png = plot_memory(grid, pathlib.Path(f.out).with_suffix(".png"),
-                      common.machine_label(info))
-    print(f"wrote {out} and {png}")
+    if grid:
+        png = plot_memory(grid, pathlib.Path(f.out).with_suffix(".png"),
+                          common.machine_label(info))
+        out = f"{out} and {png}"
+    print(f"wrote {out}")
 
 
 def _define_flags():
@@ -437,10 +519,14 @@ def _define_flags():
     flags.DEFINE_integer("width", MODEL["width"], "Hidden width.")
     flags.DEFINE_integer("batch", MODEL["batch"], "Rows per step.")
     flags.DEFINE_integer("num_devices", 1, "K: stages / logical devices.")
-    flags.DEFINE_string("microbatches", "1,4,16", "Micro-batch counts M.")
+    flags.DEFINE_string("microbatches", "1,4,16", "Micro-batch counts M (empty: skip the "
+                        "step-memory grid).")
     flags.DEFINE_integer("parallel", 2, "Memory children run at once.")
     flags.DEFINE_integer("budget_mib", 384, "Capacity search: MiB above the runtime "
-                         "(0: skip the search).")
+                         "(process) or of live tensors (tensors); 0: skip the search.")
+    flags.DEFINE_string("capacity_measure", "process",
+                        "Capacity search: what the budget holds, comma-separated "
+                        f"subset of {','.join(MEASURES)} (see MEASURES).")
     flags.DEFINE_integer("capacity_width", CAPACITY_MODEL["width"], "Capacity search width.")
     flags.DEFINE_integer("capacity_batch", CAPACITY_MODEL["batch"], "Capacity search batch.")
     flags.DEFINE_integer("capacity_microbatches", CAPACITY_MODEL["num_microbatches"],

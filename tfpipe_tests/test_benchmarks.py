@@ -104,22 +104,53 @@ def test_first_step_table_has_a_onednn_column_only_for_several_settings():
     assert "| off |" in both
 
 
-def test_largest_model_search_finds_the_boundary(monkeypatch):
+@pytest.mark.parametrize("measure, runtime_mib, kills_at", [
+    ("process", 500.0, 600.0),  # cap = runtime + budget; the child is killed past it
+    ("tensors", 500.0, None),   # cap = budget on live tensors; the runtime does not count
+])
+def test_largest_model_search_finds_the_boundary(monkeypatch, measure, runtime_mib, kills_at):
     calls = []
 
-    def fake_run_memory(layers, rss_limit_mib, **kwargs):
-        calls.append(layers)
-        peak = 500.0 + 7.0 * layers  # 500 MiB runtime + 7 MiB per layer
-        if peak > rss_limit_mib:
+    def fake_run_memory(layers, rss_limit_mib, measure, **kwargs):
+        calls.append((layers, rss_limit_mib, measure))
+        tensors = 7.0 * layers  # 7 MiB of live tensors per layer
+        process = runtime_mib + tensors + 3.0 * layers  # plus the graph on the host
+        if rss_limit_mib is not None and process > rss_limit_mib:
             return {"error": "rss_limit"}
-        return {"peak_mib": peak}
+        return {"peak_mib": process, "tensor_peak_mib": tensors}
 
     monkeypatch.setattr(memory, "run_memory", fake_run_memory)
-    found = memory.largest_model("never", budget_mib=100, runtime_mib=500, width=8, batch=8,
-                                 num_microbatches=1, log=lambda *_: None)
-    assert found["layers"] == 14  # 7 * 14 = 98 <= 100 < 105
-    assert found["params"] == memory.params(14, 8)
+    found = memory.largest_model("never", budget_mib=100, runtime_mib=runtime_mib, width=8,
+                                 batch=8, num_microbatches=1, log=lambda *_: None,
+                                 measure=measure)
+    # process: 10 * 10 = 100 <= 100 < 110; tensors: 7 * 14 = 98 <= 100 < 105
+    assert found["layers"] == {"process": 10, "tensors": 14}[measure]
+    assert found["params"] == memory.params(found["layers"], 8)
+    assert found["measure"] == measure
+    assert {(limit, m) for _, limit, m in calls} == {(kills_at, measure)}
     assert len(calls) <= 8
+
+
+def test_capacity_search_names_an_unknown_measure():
+    with pytest.raises(ValueError, match=r"measure='rss'.*'process', 'tensors'"):
+        memory.capacity(100, width=8, batch=8, num_microbatches=1, measure="rss")
+
+
+@pytest.mark.parametrize("measure, header", [
+    ("process", "| process peak MiB | cap MiB (runtime + budget) |"),
+    ("tensors", "| tensor peak MiB | cap MiB (budget) |"),
+])
+def test_capacity_table_names_what_the_budget_holds(measure, header):
+    found = {"layers": 3, "params": memory.params(3, 8), "peak_mib_at_layers": 90.0,
+             "cap_mib": 100.0, "probes": [{}, {}]}
+    at_limit = dict(found, layers=12, params=memory.params(12, 8), at_search_limit=True)
+    table = memory.capacity_table({"measure": measure,
+                                   "modes": {"never": found, "always": at_limit},
+                                   "ratios": {"never": 1.0, "always": 4.5}})
+    assert header in table.splitlines()[0]
+    assert "| never | 3 | 0.001M |" in table
+    # the search stopped at its largest count: the row is a lower bound
+    assert "| always | >= 12 |" in table and "| >= 4.50 |" in table
 
 
 @pytest.mark.slow  # ~6-19 s each: a benchmark's own machinery, run in CI's slow step
@@ -142,6 +173,20 @@ def test_run_suite_memory_in_children(tmp_path):
     text = build_md.read_text()
     assert text.startswith("## Benchmarks\n") and text.endswith(f"{common.END_MARKER}\ntail\n")
     assert "| always | 2 |" in text
+
+
+@pytest.mark.slow  # ~6-19 s each: a benchmark's own machinery, run in CI's slow step
+def test_tensor_measure_sees_what_recompute_frees():
+    # 4 x Dense(256) on 4096 rows: each layer's activations are 4 MiB for the
+    # whole batch; without recompute all 4 stay for the backward pass.
+    model = dict(layers=4, width=256, batch=4096, num_microbatches=4, steps=2)
+    peaks = {}
+    for recompute in ("never", "always"):
+        result = memory.run_memory(measure="tensors", recompute=recompute, **model)
+        assert "error" not in result, result.get("stderr_tail")
+        peaks[recompute] = result["tensor_peak_mib"]
+    assert peaks["never"] >= 16.0
+    assert peaks["always"] < peaks["never"] - 6.0, peaks  # replays 1 MiB per layer
 
 
 @pytest.mark.slow  # ~6-19 s each: a benchmark's own machinery, run in CI's slow step
