@@ -72,9 +72,9 @@ def _bns(model):
     return [l for l in model._flatten_layers() if isinstance(l, keras.layers.BatchNormalization)]
 
 
-def _pipelined(model, m, **settings):
+def _pipelined(model, m, balance=(2, 2, 2, 2), **settings):
     with tfpipe.PipelineStrategy(num_microbatches=m, **settings).scope():
-        pipelined = tfpipe.PipelinedModel.from_model(model, balance=[2, 2, 2, 2])
+        pipelined = tfpipe.PipelinedModel.from_model(model, balance=list(balance))
         _compile(pipelined)
     return pipelined
 
@@ -112,7 +112,12 @@ def expected_update(model, x, m):
 @pytest.mark.parametrize("settings", [
     dict(recompute="always"), dict(recompute="except_last"), dict(recompute="never"),
     dict(schedule="1f1b"), dict(execution="loop"),
-], ids=["always", "except_last", "never", "1f1b", "loop"])
+    # Two stages, one holding two BatchNorm call sites: a stage commits
+    # every call site it recorded, not only its first.
+    dict(balance=(4, 4)), dict(balance=(4, 4), execution="stage_functions"),
+    dict(balance=(4, 4), execution="loop"),
+], ids=["always", "except_last", "never", "1f1b", "loop", "two_sites_per_stage",
+        "two_sites_per_stage_functions", "two_sites_per_stage_loop"])
 @pytest.mark.parametrize("n", [16, 14])  # 14: micro-batches of 4, 4, 3, 3
 def test_deferred_commits_whole_batch_statistics_once_per_step(settings, n):
     model = bn_net()

@@ -281,8 +281,11 @@ def _moving_statistics(variables):
 
 @pytest.mark.slow
 def test_resnet_with_default_flags_matches_plain_keras_accuracy(tmp_path):
-    # The residual blocks nest their BatchNormalization layers; deferred BN
-    # must reach them, or the moving statistics (and evaluation) go wrong.
+    # The residual blocks nest their BatchNormalization layers, several per
+    # stage. This catches statistics that never move (left at their initial
+    # values) and a broken evaluation; that each call site's update is the
+    # exact whole-batch one is test_batchnorm's table (a site left to Keras'
+    # own M updates still moves, so it would pass here).
     from models import resnet_cnn  # pylint: disable=import-outside-toplevel
 
     keep = _KeepModel()
