@@ -26,6 +26,9 @@ high-water mark. Reported per child, all read from the OS (/proc, getrusage):
              activations, gradients and temporaries of one step
   trace_mib  resident set after `get_concrete_function` minus before: the
              Python graph, which grows with M
+  tensor_peak_mib  the peak of live tensors in TensorFlow's CPU allocator
+             over the steps (None unless the allocator keeps statistics:
+             `CHILD_ENVS["tensors"]`)
 
 GPipe's prediction: with recompute="never" each layer's activations for the
 whole batch stay until the backward pass; with recompute a stage keeps only
@@ -103,6 +106,11 @@ def _trim():
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _check_measure(measure):
+    if measure not in MEASURES:
+        raise ValueError(f"measure={measure!r}: expected one of {MEASURES}.")
 
 
 def _tensor_mib(key):
@@ -360,10 +368,10 @@ def largest_model(recompute, budget_mib, runtime_mib, width, batch, num_microbat
     the two measured peaks nearest the cap (secant), clamped inside the
     bracket (largest fitting, smallest failing count) so that every probe
     narrows it, until the two are 1 apart; without two measured points, or
-    once the bracket is 8 layers or fewer, it doubles or bisects. A probe that errs counts as failing.
+    once the bracket is 8 layers or fewer, it doubles or bisects. A probe
+    that errs counts as failing.
     """
-    if measure not in MEASURES:
-        raise ValueError(f"measure={measure!r}: expected one of {MEASURES}.")
+    _check_measure(measure)
     cap = runtime_mib + budget_mib if measure == "process" else budget_mib
     peak_key = "peak_mib" if measure == "process" else "tensor_peak_mib"
     points, probes = {}, []
@@ -425,8 +433,7 @@ def capacity(budget_mib, width, batch, num_microbatches, steps=1, log=print,
     """`largest_model` for recompute "never", "always" and "always" in
     segments of each of `segment_layers` layers, under `measure`'s budget;
     parameter ratios to never."""
-    if measure not in MEASURES:
-        raise ValueError(f"measure={measure!r}: expected one of {MEASURES}.")
+    _check_measure(measure)
     runtime = {"peak_mib": 0.0}  # "tensors": the budget is absolute
     if measure == "process":
         runtime = common.run_child("benchmarks.memory:runtime_only", {}, intra_op=1,
