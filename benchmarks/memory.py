@@ -482,18 +482,27 @@ def capacity_table(result):
 # -- command line ------------------------------------------------------------------
 
 
+def parse_measures(text):
+    """--capacity_measure's value, e.g. "process,tensors" -> a list of
+    `MEASURES`; a ValueError names any other."""
+    measures = [m.strip() for m in str(text).split(",") if m.strip()]
+    bad = [m for m in measures if m not in MEASURES]
+    if bad:
+        raise ValueError(f"--capacity_measure={text!r}: {bad} not in {MEASURES}; pass a "
+                         f"comma-separated subset, e.g. --capacity_measure=process,tensors.")
+    return measures
+
+
 def main(argv):
     from absl import app  # pylint: disable=import-outside-toplevel
     from absl import flags  # pylint: disable=import-outside-toplevel
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
-    measures = [m for m in f.capacity_measure.split(",") if m]
-    bad = [m for m in measures if m not in MEASURES]
-    if bad:
-        raise app.UsageError(f"--capacity_measure={f.capacity_measure!r}: {bad} not in "
-                             f"{MEASURES}; pass a comma-separated subset, e.g. "
-                             f"--capacity_measure=process,tensors.")
+    try:
+        measures = parse_measures(f.capacity_measure)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     start = time.perf_counter()
     info = common.machine()
     print(f"machine: {common.machine_label(info)}")

@@ -136,6 +136,19 @@ def test_capacity_search_names_an_unknown_measure():
         memory.capacity(100, width=8, batch=8, num_microbatches=1, measure="rss")
 
 
+@pytest.mark.parametrize("text, measures", [
+    ("process", ["process"]), ("process, tensors", ["process", "tensors"]), ("", []),
+])
+def test_capacity_measure_flag_parses(text, measures):
+    assert memory.parse_measures(text) == measures
+
+
+@pytest.mark.parametrize("text", ["tensor", "process,rss"])
+def test_capacity_measure_flag_names_a_bad_value(text):
+    with pytest.raises(ValueError, match=r"--capacity_measure=.*not in \('process', 'tensors'\)"):
+        memory.parse_measures(text)
+
+
 @pytest.mark.parametrize("measure, header", [
     ("process", "| process peak MiB | cap MiB (runtime + budget) |"),
     ("tensors", "| tensor peak MiB | cap MiB (budget) |"),
