@@ -350,10 +350,13 @@ class Step:
             return record.tape, record.packed, record.out, record.extra, record.parts
         pipeline = self.pipeline
         packed, seeds_state = record
-        # A data dependency on the incoming gradient keeps grappler from
-        # merging the replay with the original forward (which would undo the
-        # memory saving) and makes it run at backward time.
-        packed = after_gradient(packed, g_out)
+        # The replay must run at backward time, not as soon as its input
+        # exists (its intermediates would then live as long as without
+        # recompute). A copy of the stage's ops also needs a data dependency
+        # on the incoming gradient, or grappler merges it with the original
+        # forward; a stage function's call op is stateful, never merged, so a
+        # control edge is enough (1 op instead of about 15 per replay).
+        packed = after_gradient(packed, g_out, by_data=self.stage_functions is None)
         run = StageForward(self, k, m, packed)
 
         def replay():
@@ -440,11 +443,16 @@ def forwards_first(order):
     return first_back is None or last_forward < first_back
 
 
-def after_gradient(h, g_out):
-    """`h`, made to depend (by data) on the incoming gradient `g_out`."""
+def after_gradient(h, g_out, by_data=True):
+    """`h`, made to wait for the incoming gradient `g_out`: by data, or by a
+    control edge (`by_data=False`; an identity per tensor of `h`)."""
     anchor = next((g for g in g_out if g is not None), None)
     if anchor is None:
         return h
+    if not by_data:
+        with tf.control_dependencies([anchor]):
+            return tf.nest.map_structure(
+                lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, h)
     probe = tf.reduce_max(tf.reshape(anchor, [-1])[:1])
     as_bool = tf.cast(probe, tf.bool)  # a bool always equals itself:
     zero = tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))
