@@ -165,6 +165,27 @@ def test_stage_functions_trace_each_stage_once_whatever_m(name):
                           for op in calls} == stage_devices
 
 
+@pytest.mark.parametrize("name, per_stage_and_microbatch", [("gpipe", 13), ("zbv", 14)])
+def test_stage_function_step_grows_by_bookkeeping_only(name, per_stage_and_microbatch):
+    """Top-level ops added per (stage, micro-batch) under recompute="always":
+    the calls, their gradients, a gradient sum per variable, the slices and
+    ordering, and one identity per replayed input to make the replay wait
+    for its incoming gradient (a data-dependency probe there, as inlined
+    copies need, made it 25.75 per stage and micro-batch at 4 stages)."""
+    counts = {}
+    for m in (4, 8):
+        ref = helpers.reference(helpers.mlp_layers(), (8,))
+        model = _pipelined(ref, name, m, "stage_functions", "always",
+                           dict(optimizer="sgd", loss="mse"))
+        step = tf.function(model.train_step, autograph=False)
+        with tfpipe.runtime.call_scope("stage_functions"):
+            counts[m] = len(step.get_concrete_function(
+                (tf.TensorSpec([16, 8], tf.float32), tf.TensorSpec([16, 3], tf.float32))
+            ).graph.get_operations())
+    stages = model.pipeline.num_stages
+    assert (counts[8] - counts[4]) / (4 * stages) <= per_stage_and_microbatch, counts
+
+
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_loop_graph_does_not_grow_with_m_and_stays_on_stage_devices(name):
     counts = {}
