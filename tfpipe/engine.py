@@ -184,10 +184,15 @@ class Pipeline:
     def home_scope(self, variable):
         """The placement scope of `variable`'s home stage (the first that uses
         it; its storage is there), where its gradient is summed and scaled."""
-        k = self._home_stage.get(id(variable))
+        k = self.home_stage(variable)
         if k is None:  # not a stage's trainable variable: where it is stored
             return tf.device(variable.value.device)
         return devices_lib.scope(self.devices[self.stage_device[k]])
+
+    def home_stage(self, variable):
+        """The first stage that uses `variable` (None: not a stage's trainable
+        variable)."""
+        return self._home_stage.get(id(variable))
 
     def on_home(self, variable, fn, *args):
         with self.home_scope(variable):

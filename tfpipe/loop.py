@@ -176,8 +176,8 @@ class LoopStore:
         return [acc if t.kind == loss_lib.COUNTED else None
                 for acc, t in zip(self.st["div"], self.step.split.terms)]
 
-    def loss_seeds(self, plan):
-        return plan.seeds(self.divisor_sums())
+    def loss_seeds(self, plan, scale):
+        return [s * scale for s in plan.seeds(self.divisor_sums())]
 
     # -- backward ----------------------------------------------------------
 

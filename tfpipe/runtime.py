@@ -18,13 +18,17 @@ the two backends differ only in their store and in how they walk the table:
     ticks, each device a `tf.switch_case` over its actions (one traced body).
 
 Under execution="stage_functions" the unrolled backend walks the same actions,
-but a forward calls its stage as one `tf.function` per stage and step
-(`StageFunction`), traced once and called per micro-batch and per replay, and
-a backward is TF's gradient of that call (its backward function, also built
-once). The step's graph then grows with M by the actions' bookkeeping only, not
-by copies of the stages. What that gives up: a call is one op, so one stream
-per device (`serialize_ops`) orders calls, not the ops inside them, and a
-split backward cannot hold the weight half back (I computes both halves and W
+but as calls of functions traced once per stage and step, not M copies of
+the stage: a forward calls `StageFunction`; a re-materialised backward calls
+`StageBackward` (replay, gradients and the sums of dense weight gradients,
+all in one call); a kept forward's backward is TF's gradient of its call.
+Calls are made through their concrete functions (`CalledFunction`), each
+action is ordered by a control edge on its device's last call, and
+micro-batches of static size are cut by one split, so the step's graph
+grows with M by about one op per action (K=2, gpipe, recompute="always").
+What that gives up: a call is one op, so one stream per device
+(`serialize_ops`) orders calls, not the ops inside them, and a split
+backward cannot hold the weight half back (I computes both halves and W
 only adds them up).
 
 Store protocol (m is an int in the unrolled form, a scalar tensor in the loop):
@@ -34,9 +38,11 @@ Store protocol (m is an int in the unrolled form, a scalar tensor in the loop):
   replays(k, m)                        whether F(k, m) is replayed by its backward
   keep(k, m, record) / take_kept(k, m) a `Replay` (input and seeds) or a `Taped`
   put_bn(k, m, calls)                  deferred BatchNorm moments
-  add_extra(d, value), add_loss_parts(parts), divisor_sums(), loss_seeds(plan)
+  add_extra(d, value), add_loss_parts(parts), divisor_sums(), loss_seeds(plan, scale)
   output_gradients(k, m) / put_input_gradients(k, m, grads) -> tensors
   add_weight_gradient(d, k, m, i, g) -> tensors
+  weight_sum(i) / set_weight_sum(i, total)   (stage functions: a sum the
+                                       call of `StageBackward` adds to)
   splits_in_graph; defer_weights(k, m, grads, ops), has_deferred(k, m),
   take_deferred(k, m)                  a split backward built whole at I
   and, for `Step.finish`: gradients(), numerator_sums(), extra_terms(),
@@ -105,9 +111,7 @@ class StageForward:
     def __call__(self, record=False):
         step, k = self.step, self.k
         real = step.batch.split.real(self.m)  # 0: a stand-in for an empty micro-batch
-        y_true = sample_weight = None
-        if k == step.num_stages - 1 and step.split is not None:
-            _, y_true, sample_weight = step.batch.micro(self.m)
+        y_true, sample_weight = step.labels(k, self.m)
         function = step.stage_functions[k] if step.stage_functions else None
         if function is not None:
             return function(self.packed, y_true, sample_weight, real)
@@ -144,6 +148,55 @@ def call_scope(execution):
     return contextlib.nullcontext()
 
 
+class CalledFunction:
+    """A stage's `tf.function` for execution="stage_functions": not inlined
+    (TF places and optimises its body once, not in every call's copy), and
+    called through its concrete function wherever a call's argument types
+    repeat ones seen before, on its tensors in TF's order: TF's own lookup
+    and argument binding cost more than making the call op (about 0.5 ms
+    each), and a step makes several calls per micro-batch."""
+
+    def __init__(self, body):
+        self.function = tf.function(body, autograph=False, reduce_retracing=True,
+                                    experimental_attributes={"_noinline": True})
+        self.concrete = {}  # argument types -> (concrete function, flat tensors in TF's order)
+
+    def trace(self, *args):
+        """Traces for `args` (tensors or `tf.TensorSpec`s) unless a trace fits."""
+        return self.function.get_concrete_function(*args)
+
+    def __call__(self, *args):
+        leaves = tf.nest.flatten(args)
+        key = _argument_types(leaves)
+        if key is None:
+            return self.function(*args)
+        tensors = [t for t in leaves if isinstance(t, tf.Tensor)]
+        if key not in self.concrete:
+            concrete = self.function.get_concrete_function(*args)
+            # Our order is checked against TF's binding once per argument types.
+            theirs = _internal.concrete_inputs(concrete, args)
+            self.concrete[key] = (concrete, len(theirs) == len(tensors) and all(
+                a is b for a, b in zip(theirs, tensors)))
+        concrete, flat = self.concrete[key]
+        return _internal.call_concrete(concrete, tensors) if flat else concrete(*args)
+
+
+def _argument_types(leaves):
+    """What TF traces a call by, from its arguments' leaves, as a hashable
+    key: each leaf's shape and dtype, or its Python value; None if a leaf is
+    of another kind (TF's own lookup then decides)."""
+    key = []
+    for leaf in leaves:
+        if leaf is None or isinstance(leaf, (bool, int, float, str)):
+            key.append((type(leaf), leaf))
+        elif isinstance(leaf, tf.Tensor) and not isinstance(leaf, tf.Variable):
+            key.append((tuple(leaf.shape.as_list()) if leaf.shape.rank is not None else None,
+                        leaf.dtype))
+        else:
+            return None
+    return tuple(key)
+
+
 class StageFunction:
     """Stage k's forward traced once per step trace as a `tf.function`, and
     called once per micro-batch (and per replay): the step's graph holds one
@@ -164,9 +217,7 @@ class StageFunction:
         self.traced = {}  # per trace: the BatchNorm layers, and per_row of each part
         # Not inlined into the step, so that TF places and optimises the
         # stage's body once rather than in every call's copy.
-        self.function = tf.function(self._traced_body, autograph=False,
-                                    reduce_retracing=True,
-                                    experimental_attributes={"_noinline": True})
+        self.function = CalledFunction(self._traced_body)
 
     def _traced_body(self, packed, y_true, sample_weight, real):
         step, k = self.step, self.k
@@ -187,6 +238,111 @@ class StageFunction:
         calls = [batchnorm.Moments(layer, *values)
                  for layer, values in zip(self.traced["layers"], moments)]
         return out, extra, parts, calls
+
+
+def stage_gradients(step, k, tape, packed, out, extra, parts, g_out, extra_seed,
+                    want_inputs=True, want_weights=True):
+    """Stage k's backward from its taped forward: (gradients of the input
+    boundary's float leaves, or [] without `want_inputs`; gradients of
+    `step.stage_vars[k]`, or [] without `want_weights`), None where unconnected.
+
+    `out` is the packed output boundary; `g_out` its incoming gradients, or,
+    for the last stage, the seeds of its loss parts' numerators; `extra_seed()`
+    the seed of the stage's call losses.
+    """
+    sources = float_leaves(packed) if k else []
+    if k == step.num_stages - 1:
+        targets, seeds = [s for s, _, _ in parts], list(g_out)
+    else:
+        pairs = [(t, g) for t, g in zip(float_leaves(out), g_out) if g is not None]
+        targets, seeds = [t for t, _ in pairs], [g for _, g in pairs]
+    if extra is not None:
+        targets.append(extra)
+        seeds.append(tf.cast(extra_seed(), extra.dtype))
+    wanted = (sources if want_inputs else []) + (
+        [step.variables[i] for i in step.stage_vars[k]] if want_weights else [])
+    if targets and wanted:
+        grads = tape.gradient(targets, wanted, output_gradients=seeds,
+                              unconnected_gradients=tf.UnconnectedGradients.NONE)
+    else:
+        grads = [None] * len(wanted)
+    n = len(sources) if want_inputs else 0
+    return grads[:n], grads[n:]
+
+
+class StageBackward:
+    """Stage k's replay and whole backward, traced once per step trace as a
+    `tf.function` (execution="stage_functions", re-materialised micro-batches):
+    one call op per backward action, where a replay through `StageFunction`
+    costs a call, its gradient's call, a gate and a sum per weight.
+
+    A call takes the kept input boundary and seeds (`Replay`), the incoming
+    gradients (so it runs at backward time without a gate), and `sums`: per
+    weight of the stage, the sum of its gradients so far, or None where the
+    sum stays outside. It returns the input boundary's gradients and, per
+    weight, the new sum where one went in, else the gradient itself.
+
+    A sum goes in only for a dense gradient (an `IndexedSlices` is
+    concatenated outside, `tfpipe.gradients`) of a weight whose home is this
+    stage (a shared weight's sum lives on its home stage's device). Before
+    the first call no sum exists: it gets a scalar zero (0 + g is g
+    exactly), and the function is traced once for sums of any shape, so
+    the later calls do not trace it again. Which gradients are sparse is
+    known from that trace; a sparse one ignores its zero, and its weight
+    then passes None (one more trace, for stages with an embedding).
+    """
+
+    def __init__(self, step, k):
+        self.step, self.k = step, k
+        self.sparse = set()  # positions in step.stage_vars[k] with IndexedSlices gradients
+        self.traced_once = False
+        pipeline = step.pipeline
+        self.home = [pipeline.home_stage(step.variables[i]) == k for i in step.stage_vars[k]]
+        self.function = CalledFunction(self._traced_body)
+
+    def sums_inside(self, i):
+        """Whether variable i's gradient sum may go into the call."""
+        j = self.step.stage_vars[self.k].index(i)
+        return self.home[j] and j not in self.sparse
+
+    def _traced_body(self, packed, seeds, y_true, sample_weight, real, g_out, extra_seed,
+                     sums):
+        step, k = self.step, self.k
+
+        def replay():
+            with tf.GradientTape() as tape:
+                tape.watch(float_leaves(packed) if k else [])
+                out, extra, parts, _ = stage_body(step, k, packed, y_true, sample_weight,
+                                                  real, False)
+            return tape, out, extra, parts
+
+        with devices.scope(step.pipeline.devices[step.pipeline.stage_device[k]]):
+            tape, out, extra, parts = step.pipeline.stage_states[k].replay(seeds, replay)
+            input_grads, grads = stage_gradients(step, k, tape, packed, step.pack(k, out),
+                                                 extra, parts, g_out, lambda: extra_seed)
+            self.sparse |= {j for j, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)}
+            grads = [g if s is None or isinstance(g, tf.IndexedSlices) else
+                     s if g is None else _sum_like(s, g) for s, g in zip(sums, grads)]
+        return input_grads, grads
+
+    def __call__(self, packed, seeds, y_true, sample_weight, real, g_out, extra_seed, sums):
+        """(input gradients, per weight its new sum or gradient); `sums`:
+        per weight the sum so far, a scalar zero for none yet, or None (kept
+        outside)."""
+        args = (packed, seeds, y_true, sample_weight, real, g_out, extra_seed)
+        if not self.traced_once:
+            # Traced for sums of any shape: the zeros now, the sums later.
+            self.function.trace(
+                *args, [None if s is None else tf.TensorSpec(None, s.dtype) for s in sums])
+            self.traced_once = True
+        return self.function(*args, sums)
+
+
+def _sum_like(total, grad):
+    """total + grad, with grad's static shape (`total` may be a scalar zero)."""
+    out = total + grad
+    out.set_shape(grad.shape)
+    return out
 
 
 class Step:
@@ -221,9 +377,11 @@ class Step:
             batch, training, split, connectivity=connectivity,
             around_stage=self.recorder.forward if connectivity else None)
         self.variables, self.stage_vars, _ = pipeline.variable_table()
-        self.stage_functions = (
-            [StageFunction(self, k) for k in range(self.num_stages)]
-            if pipeline.config.execution == "stage_functions" else None)
+        self.stage_functions = self.backward_functions = None
+        if pipeline.config.execution == "stage_functions":
+            self.stage_functions = [StageFunction(self, k) for k in range(self.num_stages)]
+            self.backward_functions = [StageBackward(self, k) for k in range(self.num_stages)]
+            self.zeros = {}  # (dtype, stage) -> the zero a first weight gradient is added to
         if not self.backward_step:
             return
         self.plan = loss_lib.Plan(split, batch.split.total_rows, forwards_first(order),
@@ -284,43 +442,78 @@ class Step:
         if k == 0 and kind == "I" and not split_in_graph:
             return Produced([])  # stage 0 has no input gradient to compute
         g_out = store.begin(d, self.output_gradients(store, k, m))
-        tape, packed, out, extra, parts = self._taped(store, k, m, g_out)
-        sources = float_leaves(packed) if k else []
-        if k == self.num_stages - 1:
-            targets, seeds = [s for s, _, _ in parts], list(g_out)
-        else:
-            pairs = [(t, g) for t, g in zip(float_leaves(out), g_out) if g is not None]
-            targets, seeds = [t for t, _ in pairs], [g for _, g in pairs]
-        if extra is not None:
-            targets.append(extra)
-            seeds.append(tf.cast(self.batch.split.fraction(m) * self.scale, extra.dtype))
-        mine = self.stage_vars[k]
+        record = store.take_kept(k, m)
+        if self.backward_functions is not None and isinstance(record, Replay):
+            return self.called_backward(store, k, m, record, g_out, split_in_graph)
+        tape, packed, out, extra, parts = self._taped(record, k, m, g_out)
         want_inputs = kind in ("B", "I")
         want_weights = kind in ("B", "W") or split_in_graph
-        wanted = (sources if want_inputs else []) + (
-            [self.variables[i] for i in mine] if want_weights else [])
         graph = tf.compat.v1.get_default_graph()
         first_op = len(graph.get_operations()) if split_in_graph else None
-        if targets and wanted:
-            grads = tape.gradient(targets, wanted, output_gradients=seeds,
-                                  unconnected_gradients=tf.UnconnectedGradients.NONE)
-        else:
-            grads = [None] * len(wanted)
+        input_grads, grads = stage_gradients(
+            self, k, tape, packed, out, extra, parts, g_out,
+            lambda: self.batch.split.fraction(m) * self.scale, want_inputs, want_weights)
         produced = []
-        if want_inputs:
-            input_grads = grads[:len(sources)]
-            grads = grads[len(sources):]
-            if k > 0:
-                produced += store.put_input_gradients(k, m, input_grads)
+        if want_inputs and k > 0:
+            produced += store.put_input_gradients(k, m, input_grads)
         if split_in_graph:
             weight_ops = _weight_only_ops(graph.get_operations()[first_op:], produced)
             store.defer_weights(k, m, grads, weight_ops)
             return Produced(produced, exclude_ops=weight_ops)
         if want_weights:
-            for i, g in zip(mine, grads):
+            for i, g in zip(self.stage_vars[k], grads):
                 if g is not None:
                     produced += store.add_weight_gradient(self.stage_device(k), k, m, i, g)
         return Produced(produced)
+
+    def called_backward(self, store, k, m, record, g_out, split_in_graph):
+        """B (or I, both halves) of a replayed stage under stage functions:
+        one call of the stage's `StageBackward`, which replays the stage,
+        takes its gradients and adds each weight gradient it can to its sum.
+        The call waits for the incoming gradient, so the replay runs at
+        backward time with no gate."""
+        function, mine = self.backward_functions[k], self.stage_vars[k]
+        # Sums go in only at B (I's weight half is summed at W) and only
+        # where the stage function may add them (`StageBackward.sums_inside`).
+        sums = [self.weight_sum(store, k, i) if not split_in_graph and function.sums_inside(i)
+                else None for i in mine]
+        extra_seed = (self.batch.split.fraction(m) * self.scale
+                      if self.interfaces[k].call_losses else None)
+        y_true, sample_weight = self.labels(k, m)
+        input_grads, grads = function(record.packed, record.seeds, y_true, sample_weight,
+                                      self.batch.split.real(m), list(g_out), extra_seed, sums)
+        produced = store.put_input_gradients(k, m, input_grads) if k > 0 else []
+        if split_in_graph:
+            store.defer_weights(k, m, grads, [])
+            return Produced(produced)
+        for j, (i, g, summed) in enumerate(zip(mine, grads, sums)):
+            if g is None:
+                continue
+            if summed is not None and j not in function.sparse:
+                store.set_weight_sum(i, g)
+                produced.append(g)
+            else:
+                produced += store.add_weight_gradient(self.stage_device(k), k, m, i, g)
+        return Produced(produced)
+
+    def weight_sum(self, store, k, i):
+        """Variable i's gradient sum so far, or, if it has none yet, a scalar
+        zero (one per dtype and stage, made on the stage's device)."""
+        total = store.weight_sum(i)
+        if total is None:
+            key = (self.variables[i].dtype, k)
+            if key not in self.zeros:
+                self.zeros[key] = tf.zeros((), key[0])
+            total = self.zeros[key]
+        return total
+
+    def labels(self, k, m):
+        """(y_true, sample_weight) of micro-batch m where stage k needs them
+        (the last stage of a training step), else (None, None)."""
+        if k == self.num_stages - 1 and self.split is not None:
+            _, y_true, sample_weight = self.batch.micro(m)
+            return y_true, sample_weight
+        return None, None
 
     def weights_from_input_pass(self, store, d, k, m):
         """W(k, m) when I(k, m) already built its ops: release and sum them."""
@@ -340,23 +533,23 @@ class Step:
         last stage, the seeds of its loss numerators (and call losses)."""
         if k < self.num_stages - 1:
             return store.output_gradients(k, m)
-        return [s * self.scale for s in store.loss_seeds(self.plan)]
+        return store.loss_seeds(self.plan, self.scale)
 
-    def _taped(self, store, k, m, g_out):
+    def _taped(self, record, k, m, g_out):
         """(tape, packed input, packed output, call losses, loss parts) of
-        F(k, m): the tape its forward kept, or a replay with its seeds."""
-        record = store.take_kept(k, m)
+        F(k, m) from what its forward kept (`record`): its tape, or a replay
+        with its seeds."""
         if isinstance(record, Taped):
             return record.tape, record.packed, record.out, record.extra, record.parts
         pipeline = self.pipeline
         packed, seeds_state = record
         # The replay must run at backward time, not as soon as its input
         # exists (its intermediates would then live as long as without
-        # recompute). A copy of the stage's ops also needs a data dependency
-        # on the incoming gradient, or grappler merges it with the original
-        # forward; a stage function's call op is stateful, never merged, so a
-        # control edge is enough (1 op instead of about 15 per replay).
-        packed = after_gradient(packed, g_out, by_data=self.stage_functions is None)
+        # recompute). A copy of the stage's ops needs a data dependency on
+        # the incoming gradient for it, or grappler merges it with the
+        # original forward. (Stage functions replay in `StageBackward`,
+        # whose call takes the gradient as an input.)
+        packed = after_gradient(packed, g_out)
         run = StageForward(self, k, m, packed)
 
         def replay():
@@ -443,16 +636,11 @@ def forwards_first(order):
     return first_back is None or last_forward < first_back
 
 
-def after_gradient(h, g_out, by_data=True):
-    """`h`, made to wait for the incoming gradient `g_out`: by data, or by a
-    control edge (`by_data=False`; an identity per tensor of `h`)."""
+def after_gradient(h, g_out):
+    """`h`, made to wait by data for the incoming gradient `g_out`."""
     anchor = next((g for g in g_out if g is not None), None)
     if anchor is None:
         return h
-    if not by_data:
-        with tf.control_dependencies([anchor]):
-            return tf.nest.map_structure(
-                lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, h)
     probe = tf.reduce_max(tf.reshape(anchor, [-1])[:1])
     as_bool = tf.cast(probe, tf.bool)  # a bool always equals itself:
     zero = tf.where(tf.equal(as_bool, as_bool), 0.0, float("nan"))

@@ -15,8 +15,9 @@ held back by a control edge until W's turn on the device
 zero-bubble paper, not a second backward.
 
 The graph and its trace time grow with M; the loop form does not. Under
-execution="stage_functions" (`tfpipe.runtime.StageFunction`) each action is a
-call of its stage's one traced function, so they grow far less.
+execution="stage_functions" (`tfpipe.runtime.StageFunction` and
+`StageBackward`) each action is a call of a function traced once per stage,
+so they grow far less.
 """
 
 import tensorflow as tf
@@ -51,6 +52,12 @@ class UnrolledStore:
         # Ordering: each device's token, and the current action's gate.
         self.last = [None] * len(pipeline.devices)
         self.start = None
+        # Under stage functions an action is a call or two: the walk puts
+        # the whole action under a control edge from the device's token
+        # rather than an identity per input tensor here (`begin`). With a
+        # timeline the start stamp needs the inputs gated, as unrolled.
+        self.orders_by_control = (pipeline.enforce_order and step.stage_functions is not None
+                                  and timeline is None)
 
     # -- ordering and timeline ---------------------------------------------
 
@@ -58,7 +65,7 @@ class UnrolledStore:
         """`structure`, made to wait for device d's previous action; the
         action's start stamp is taken once those inputs exist."""
         pipeline = self.pipeline
-        if pipeline.enforce_order and self.last[d] is not None:
+        if pipeline.enforce_order and self.last[d] is not None and not self.orders_by_control:
             with tf.control_dependencies([self.last[d]]):
                 structure = _identity(structure)
         if self.timeline is not None:
@@ -113,9 +120,9 @@ class UnrolledStore:
     def take_kept(self, k, m):
         return self.kept.pop((k, m))
 
-    def loss_seeds(self, plan):
+    def loss_seeds(self, plan, scale):
         if self.seeds_cache is None:
-            self.seeds_cache = plan.seeds(self.divisor_sums())
+            self.seeds_cache = [s * scale for s in plan.seeds(self.divisor_sums())]
         return self.seeds_cache
 
     def output_gradients(self, k, m):
@@ -133,6 +140,12 @@ class UnrolledStore:
                                       self.grads[i], g)
         self.grads[i] = total
         return [total.values, total.indices] if isinstance(total, tf.IndexedSlices) else [total]
+
+    def weight_sum(self, i):
+        return self.grads[i]
+
+    def set_weight_sum(self, i, total):
+        self.grads[i] = total
 
     def has_deferred(self, k, m):
         return (k, m) in self.deferred
@@ -190,7 +203,8 @@ class UnrolledBackend:
             # (Listing the graph's ops costs O(graph); only for serialize_ops.)
             first_op = len(graph.get_operations()) if pipeline.serialize_ops else None
             store.start = None
-            with devices.scope(pipeline.devices[d]):
+            token = [store.last[d]] if store.orders_by_control and store.last[d] is not None else []
+            with devices.scope(pipeline.devices[d]), tf.control_dependencies(token):
                 produced = step.run(store, d, action)
                 end = None
                 if timeline is not None:
@@ -204,8 +218,18 @@ class UnrolledBackend:
                                          end=end))
                     store.last[d] = end
                 elif produced.tensors:
-                    with tf.control_dependencies(produced.tensors):
-                        store.last[d] = tf.identity(produced.tensors[0])
+                    # Under stage functions an action whose outputs all come
+                    # from one call op has that op as its token. (Not an
+                    # inlined layer's op: with it as the token, predictions at
+                    # 4 and 2 stages differed in the last bit (test_layout);
+                    # a control edge out of an op can change what grappler
+                    # fuses, we think, not verified.)
+                    makers = {id(t.op): t.op for t in produced.tensors}
+                    if store.orders_by_control and len(makers) == 1:
+                        store.last[d] = next(iter(makers.values()))
+                    else:
+                        with tf.control_dependencies(produced.tensors):
+                            store.last[d] = tf.identity(produced.tensors[0])
             if pipeline.serialize_ops:
                 excluded = {id(op) for op in produced.exclude_ops}
                 ops = produced.include_ops + [op for op in graph.get_operations()[first_op:]

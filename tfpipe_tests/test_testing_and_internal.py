@@ -265,3 +265,39 @@ def test_function_optimizer_off_reaches_the_call_ops_traced_in_it(scoped, optimi
         config = config_pb2.ConfigProto.FromString(op.get_attr("config_proto"))
         toggle = config.graph_options.rewrite_options.function_optimization
         assert rewriter_config_pb2.RewriterConfig.Toggle.Name(toggle) == optimizer
+
+
+@pytest.mark.parametrize("args_of, flat", [
+    # (a stage function's arguments from x, y; whether calls skip TF's binding)
+    (lambda x, y: (x, [y, None], {"b": y, "a": x}, 1.0, None), True),
+    (lambda x, y: ([x, x * 2.0], y, [None, y], 0.5, [y]), True),
+    (lambda x, y: (tf.sparse.from_dense(x), y, None, 1.0, None), False),
+])
+def test_called_function_calls_its_concrete_function_on_tf_ordered_tensors(args_of, flat):
+    """`concrete_inputs` (TF's private argument binding) gives the tensors a
+    call passes in `tf.nest.flatten` order, so `CalledFunction` calls
+    `call_concrete` (private `_call_flat`) on them and gets what TF's own call
+    gives; an argument it cannot key (a SparseTensor) goes through TF's call."""
+    from tfpipe import runtime  # pylint: disable=import-outside-toplevel
+
+    def body(a, b, c, scale, d):
+        total = sum(tf.reduce_sum(tf.sparse.to_dense(t) if isinstance(t, tf.SparseTensor) else t)
+                    for t in tf.nest.flatten((a, b, c, d), expand_composites=False)
+                    if t is not None)
+        return {"total": total * scale, "pair": [total, None]}
+
+    called = runtime.CalledFunction(body)
+    results = {}
+
+    @tf.function(autograph=False)
+    def step(x, y):
+        args = args_of(x, y)
+        results["mine"] = called(*args)
+        results["again"] = called(*args)
+        results["tf"] = called.function(*args)
+        return results["mine"]["total"], results["again"]["total"], results["tf"]["total"]
+
+    mine, again, theirs = step(tf.ones((2, 3)), tf.fill((2, 3), 2.0))
+    assert float(mine) == float(again) == float(theirs) > 0
+    assert results["mine"]["pair"][1] is None
+    assert [entry[1] for entry in called.concrete.values()] == ([True] if flat else [])
