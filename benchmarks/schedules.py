@@ -39,7 +39,9 @@ Trace time. For M in `--trace_microbatches` and each of `--trace_executions`
 ("unrolled", "stage_functions", "loop"; all recompute="always"), a fresh child
 traces a throwaway model first (so the process's one-off first-trace costs, ~3 s,
 are not counted), then times `get_concrete_function` of the train step without
-AutoGraph, as Keras' fit traces it (trace_s: Python tracing), counts the graph's
+AutoGraph, as Keras' fit traces it, three times, each a fresh `tf.function` of the
+same model (trace_s: Python tracing, the median; trace_runs_s: all three; one
+trace swings by a garbage collection or two), counts the graph's
 ops (top-level, and including nested function bodies: the loop's while body and
 switch branches),
 then times the first call (first_call_s: graph optimisation, partitioning
@@ -154,7 +156,7 @@ def _single_threaded():
 class _Timed:
     """A model's traced train step, timed by `run`."""
 
-    def __init__(self, model, x, y, executor=None):
+    def __init__(self, model, x, y, executor=None, trace_repeats=1):
         import contextlib  # pylint: disable=import-outside-toplevel
         import functools  # pylint: disable=import-outside-toplevel
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -165,12 +167,17 @@ class _Timed:
         # trace time), in the execution's call scope.
         self._scope = (functools.partial(tfpipe.runtime.call_scope, model.execution)
                        if isinstance(model, tfpipe.PipelinedModel) else contextlib.nullcontext)
-        fn = tf.function(lambda a, b: model.train_step((a, b)), autograph=False)
-        start = time.perf_counter()
-        with self._scope():
-            self.concrete = fn.get_concrete_function(tf.TensorSpec(x.shape, x.dtype),
-                                                     tf.TensorSpec(y.shape, y.dtype))
-        self.trace_s = time.perf_counter() - start
+        # Each trace is a fresh tf.function of the same model: `trace_s` is
+        # their median (one trace swings by a garbage collection or two).
+        self.trace_runs_s = []
+        for _ in range(trace_repeats):
+            fn = tf.function(lambda a, b: model.train_step((a, b)), autograph=False)
+            start = time.perf_counter()
+            with self._scope():
+                self.concrete = fn.get_concrete_function(tf.TensorSpec(x.shape, x.dtype),
+                                                         tf.TensorSpec(y.shape, y.dtype))
+            self.trace_runs_s.append(time.perf_counter() - start)
+        self.trace_s = statistics.median(self.trace_runs_s)
         self.ops, self.ops_total = common.count_ops(self.concrete)
         self._args = (x, y)
         self.runs_ms, self.cpu_per_wall = [], []
@@ -200,8 +207,8 @@ class _Timed:
             "step_ms": statistics.median(self.runs_ms) if self.runs_ms else None,
             "runs_ms": self.runs_ms,
             "cpu_per_wall": statistics.median(self.cpu_per_wall) if self.cpu_per_wall else None,
-            "trace_s": self.trace_s, "first_call_s": self.first_call_s,
-            "ops": self.ops, "ops_total": self.ops_total,
+            "trace_s": self.trace_s, "trace_runs_s": self.trace_runs_s,
+            "first_call_s": self.first_call_s, "ops": self.ops, "ops_total": self.ops_total,
         }
 
 
@@ -209,13 +216,14 @@ def measure_step(num_devices, num_microbatches, schedule="gpipe", recompute="nev
                  execution="unrolled", batch=DEFAULT_MODEL["batch"],
                  width=DEFAULT_MODEL["width"], layers=DEFAULT_MODEL["layers"], warmup=2,
                  repeats=5, steps=3, baselines=("plain", "plain_threaded"), seed=0,
-                 serialize_ops=True):
+                 serialize_ops=True, trace_repeats=1):
     """Times one pipelined configuration and the plain baselines; runs in a child.
 
     The calling process must have >= `num_devices` logical CPUs and its
     threads set (see `run_config`). Returns a JSON-ready dict: per model
     ("tfpipe" and each of `baselines`) step_ms (median run), runs_ms,
-    cpu_per_wall, trace_s, first_call_s, ops, ops_total; and "speedup"
+    cpu_per_wall, trace_s (median of `trace_repeats` traces), trace_runs_s,
+    first_call_s, ops, ops_total; and "speedup"
     (baseline step / tfpipe step) per baseline. With repeats=0 only the trace
     and first call are measured.
     """
@@ -224,7 +232,7 @@ def measure_step(num_devices, num_microbatches, schedule="gpipe", recompute="nev
     x, y = common.random_batch(batch, width, seed)
     models = {"tfpipe": _Timed(
         _build_pipelined(num_devices, num_microbatches, schedule, recompute, execution,
-                         layers, width, serialize_ops), x, y)}
+                         layers, width, serialize_ops), x, y, trace_repeats=trace_repeats)}
     if "plain" in baselines:
         models["plain"] = _Timed(_build_plain(layers, width), x, y, _single_threaded)
     if "plain_threaded" in baselines:
@@ -302,8 +310,9 @@ def speedup_grid(devices, microbatches, schedules=SCHEDULES, log=print,
 
 def measure_trace(num_devices, num_microbatches, execution, schedule="gpipe",
                   batch=TRACE_MODEL["batch"], width=TRACE_MODEL["width"],
-                  layers=TRACE_MODEL["layers"], steps=3):
-    """Trace time, op counts and first-call time of one configuration; in a child.
+                  layers=TRACE_MODEL["layers"], steps=3, trace_repeats=3):
+    """Trace time (median of `trace_repeats` traces), op counts and first-call
+    time of one configuration; in a child.
 
     A throwaway model of the same kind (smallest M, one layer per stage) is
     traced first, so that one-off costs of the process's first trace (AutoGraph,
@@ -319,7 +328,7 @@ def measure_trace(num_devices, num_microbatches, execution, schedule="gpipe",
     result = measure_step(num_devices, num_microbatches, schedule=schedule,
                           recompute="always", execution=execution, batch=batch, width=width,
                           layers=layers, warmup=1, repeats=1, steps=steps, baselines=(),
-                          serialize_ops=False)
+                          serialize_ops=False, trace_repeats=trace_repeats)
     out = dict(result["tfpipe"])
     out["compile_s"] = out["first_call_s"] - out["step_ms"] / 1000.0
     out["config"] = result["config"]
