@@ -253,6 +253,12 @@ class Batch:
             for t in _leaves(part):
                 _check_leaf(t, name)
         self._cache = {}
+        # Cut every micro-batch at once (`Split.take_all`) when sizes are
+        # static: set by a stage-function step, whose graph then grows by
+        # one op per action. Not for inlined stages: with them, grappler's
+        # layout optimiser failed on a transformer's step ("couldn't be
+        # sorted in topological order", test_profile's slow test).
+        self.cut_at_once = False
 
     @property
     def num_microbatches(self):
@@ -261,9 +267,10 @@ class Batch:
     def micro(self, m):
         if isinstance(m, int) and m in self._cache:
             return self._cache[m]
-        if isinstance(m, int) and self.split.static_size and self.num_microbatches > 1:
-            # Static sizes: every micro-batch at once, one split op per dense
-            # tensor rather than a slice (and its 3 constants) per micro-batch.
+        if (self.cut_at_once and isinstance(m, int) and self.split.static_size
+                and self.num_microbatches > 1):
+            # One split op per dense tensor rather than a slice (and its 3
+            # constants) per micro-batch.
             parts = [self.split.take_all(part) for part in (self.x, self.y, self.sample_weight)]
             for i, result in enumerate(zip(*parts)):
                 self._cache[i] = result

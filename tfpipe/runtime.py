@@ -373,6 +373,7 @@ class Step:
             pipeline.stages,
             self.backward_step and pipeline.config.batch_norm == "deferred"
             and self.num_microbatches > 1)
+        batch.cut_at_once = pipeline.config.execution == "stage_functions"
         self.interfaces = pipeline.probe(
             batch, training, split, connectivity=connectivity,
             around_stage=self.recorder.forward if connectivity else None)
