@@ -295,8 +295,8 @@ def concrete_inputs(concrete, args):
 
 def call_concrete(concrete, tensors):
     """Calls `concrete` on `tensors` as `concrete_inputs` gives them, without
-    binding the arguments again (about a fifth of a call's cost while
-    tracing); returns its structured outputs."""
+    binding the arguments again (TF redoes that on every call); returns its
+    structured outputs."""
     return concrete._call_flat(tensors, captured_inputs=concrete.captured_inputs)  # pylint: disable=protected-access
 
 

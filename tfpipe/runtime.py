@@ -152,9 +152,9 @@ class CalledFunction:
     """A stage's `tf.function` for execution="stage_functions": not inlined
     (TF places and optimises its body once, not in every call's copy), and
     called through its concrete function wherever a call's argument types
-    repeat ones seen before, on its tensors in TF's order: TF's own lookup
-    and argument binding cost more than making the call op (about 0.5 ms
-    each), and a step makes several calls per micro-batch."""
+    repeat ones seen before, on its tensors in TF's order: in a profile of
+    the step's trace, TF's own lookup and argument binding cost more than
+    making the call op, and a step makes several calls per micro-batch."""
 
     def __init__(self, body):
         self.function = tf.function(body, autograph=False, reduce_retracing=True,
@@ -189,7 +189,7 @@ def _argument_types(leaves):
     for leaf in leaves:
         if leaf is None or isinstance(leaf, (bool, int, float, str)):
             key.append((type(leaf), leaf))
-        elif isinstance(leaf, tf.Tensor) and not isinstance(leaf, tf.Variable):
+        elif isinstance(leaf, tf.Tensor):
             key.append((tuple(leaf.shape.as_list()) if leaf.shape.rank is not None else None,
                         leaf.dtype))
         else:
@@ -298,11 +298,12 @@ class StageBackward:
         self.traced_once = False
         pipeline = step.pipeline
         self.home = [pipeline.home_stage(step.variables[i]) == k for i in step.stage_vars[k]]
+        self.position = {i: j for j, i in enumerate(step.stage_vars[k])}
         self.function = CalledFunction(self._traced_body)
 
     def sums_inside(self, i):
         """Whether variable i's gradient sum may go into the call."""
-        j = self.step.stage_vars[self.k].index(i)
+        j = self.position[i]
         return self.home[j] and j not in self.sparse
 
     def _traced_body(self, packed, seeds, y_true, sample_weight, real, g_out, extra_seed,
