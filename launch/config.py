@@ -66,7 +66,7 @@ class TrainConfig:
     microbatches: int = 4
     schedule: str = "gpipe"
     recompute: str = "auto"  # auto: tfpipe's default for the execution
-    execution: str = "unrolled"
+    execution: str = "auto"  # auto: tfpipe.config.default_execution (unrolled below M=8)
     timeline: bool = True  # record one step's pipeline timeline at the end
     batch_size: int = 64
     epochs: int = 3
@@ -92,7 +92,7 @@ MODEL_DATA = {
     "unet": ("segmentation", "digits_masks"),
 }
 RECOMPUTE_MODES = ("auto", "always", "except_last", "never")  # auto: tfpipe's default
-EXECUTIONS = ("unrolled", "stage_functions", "loop")
+EXECUTIONS = ("auto", "unrolled", "stage_functions", "loop")  # auto: tfpipe's choice
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved:V", "zbh1", "zbv",
              "NAME/segments=N")
 

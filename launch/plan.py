@@ -52,7 +52,8 @@ def define_flags():
     flags.DEFINE_enum("recompute", _DEFAULTS.recompute, list(config_lib.RECOMPUTE_MODES),
                       "always, except_last, never, or auto (tfpipe's default).")
     flags.DEFINE_enum("execution", _DEFAULTS.execution, list(config_lib.EXECUTIONS),
-                      "unrolled or loop (loop recomputes always).")
+                      "auto (tfpipe's choice), unrolled, stage_functions or loop (loop "
+                      "recomputes always).")
     flags.DEFINE_integer("logical_cpus", _DEFAULTS.logical_cpus,
                          "Logical CPU devices when there is no GPU.")
     flags.DEFINE_string("optimizer", "adam",

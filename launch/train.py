@@ -150,8 +150,11 @@ flags.DEFINE_enum("recompute", _DEFAULTS.recompute, list(config_lib.RECOMPUTE_MO
                   "Activation recomputation: always, except_last, never, or auto "
                   "(except_last when unrolled, always for --execution=loop).")
 flags.DEFINE_enum("execution", _DEFAULTS.execution, list(config_lib.EXECUTIONS),
-                  "unrolled: every action traced (graph grows with M); loop: a "
-                  "tf.while_loop over clock ticks (graph independent of M; recompute always).")
+                  "auto: tfpipe's choice (stage_functions from --microbatches=8 on, except "
+                  "for zbh1/zbv; else unrolled); unrolled: every action traced (graph grows "
+                  "with M); stage_functions: each stage traced once, called per micro-batch; "
+                  "loop: a tf.while_loop over clock ticks (graph independent of M; recompute "
+                  "always).")
 flags.DEFINE_bool("timeline", _DEFAULTS.timeline,
                   "At the end, time one step per stage and write a Chrome trace and a PNG "
                   "Gantt chart to --model_dir/timeline (and TensorBoard's Images).")

@@ -155,7 +155,7 @@ def pipeline_strategy(config, devices=None):
     uses it too. With --replicas=tf_config it starts this worker's server:
     call it before any TensorFlow op."""
     settings = dict(num_microbatches=config.microbatches, schedule=config.schedule,
-                    execution=config.execution,
+                    execution=None if config.execution == "auto" else config.execution,
                     recompute=None if config.recompute == "auto" else config.recompute)
     if config.replicas == "tf_config":
         return tfpipe.PipelineStrategy(

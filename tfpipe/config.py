@@ -14,6 +14,10 @@ When a saved model is loaded, its saved settings are used, except those the
 `PipelineStrategy(num_microbatches=4)`), which win: M, the schedule and the
 recompute policy change speed and memory, never the trained weights (with
 BatchNorm, M sets the micro-batch the normalisation sees).
+
+An execution nobody gives is chosen from M and the schedule
+(`default_execution`) every time a config is made, and saved as unset, so a
+model loaded at another M gets that M's choice.
 """
 
 import dataclasses
@@ -34,6 +38,34 @@ def validate_num_microbatches(num_microbatches):
     return num_microbatches
 
 
+# From this many micro-batches on, an unset execution is "stage_functions".
+STAGE_FUNCTIONS_FROM_MICROBATCHES = 8
+
+
+def default_execution(num_microbatches, schedule):
+    """The execution of a config that was given none: "unrolled" or "stage_functions".
+
+    The trade, measured in BUILD.md ("Which to choose"): the unrolled form
+    inlines every action, so its trace and graph optimisation grow with M
+    (MobileNetV2 on 4 stages waits 0.6x plain Keras' time for its first step
+    at M=1 and 4.2x at M=8), and its steps are the fastest; stage functions
+    trace each stage once (1.3x plain at M=8), and their steps take about 5-8%
+    longer on that model's 4-image micro-batches (no longer on 256-row ones).
+    From M = `STAGE_FUNCTIONS_FROM_MICROBATCHES` on, the wait is taken as the
+    larger cost, so stage functions. A schedule that splits the
+    backward (ZB-H1, ZB-V) stays unrolled whatever M: only there is each W held
+    apart from its I, which is what such a schedule is for. The loop form is
+    never chosen: it needs recompute="always" and its steps are slower.
+
+    Args:
+      num_microbatches: M, a positive int.
+      schedule: a `tfpipe.schedules.Schedule`.
+    """
+    if schedule.splits_backward or num_microbatches < STAGE_FUNCTIONS_FROM_MICROBATCHES:
+        return "unrolled"
+    return "stage_functions"
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """How a pipeline runs. Build it with `PipelineConfig.make`, which checks.
@@ -44,6 +76,8 @@ class PipelineConfig:
       recompute: "always", "except_last" or "never".
       execution: "unrolled", "stage_functions" or "loop".
       batch_norm: "deferred" or "plain" (`tfpipe.batchnorm`).
+      execution_chosen: whether tfpipe chose `execution` (`default_execution`)
+        because none was given; `settings` and `to_json` then leave it unset.
     """
 
     num_microbatches: int = 1
@@ -51,24 +85,36 @@ class PipelineConfig:
     recompute: str = "except_last"
     execution: str = "unrolled"
     batch_norm: str = "deferred"
+    execution_chosen: bool = False
 
     @classmethod
     def make(cls, num_microbatches=None, schedule=None, recompute=None, execution=None,
              batch_norm=None):
-        """A checked config; None takes the default (recompute's depends on execution)."""
-        execution = "unrolled" if execution is None else execution
+        """A checked config; None takes the default (the execution's is
+        `default_execution`, recompute's depends on the execution)."""
+        num_microbatches = validate_num_microbatches(
+            1 if num_microbatches is None else num_microbatches)
+        schedule = schedules.get("gpipe" if schedule is None else schedule)
+        chosen = execution is None
+        if chosen:
+            execution = default_execution(num_microbatches, schedule)
         return cls(
-            num_microbatches=validate_num_microbatches(
-                1 if num_microbatches is None else num_microbatches),
-            schedule=schedules.get("gpipe" if schedule is None else schedule),
+            num_microbatches=num_microbatches,
+            schedule=schedule,
             recompute=recompute_lib.resolve(recompute, execution),
             execution=execution,
             batch_norm=batchnorm.validate_mode("deferred" if batch_norm is None else batch_norm),
+            execution_chosen=chosen,
         )
 
     def settings(self):
-        """The settings as a dict of plain values (the schedule as an instance)."""
-        return {name: getattr(self, name) for name in FIELDS}
+        """The settings as given, a dict of plain values (the schedule as an
+        instance); the execution is None where tfpipe chose it, so that making
+        a config from them chooses again (at the M then in force)."""
+        out = {name: getattr(self, name) for name in FIELDS}
+        if self.execution_chosen:
+            out["execution"] = None
+        return out
 
     def to_json(self):
         """The settings as JSON-friendly values (the schedule by its spec)."""

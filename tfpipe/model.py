@@ -702,7 +702,8 @@ class PipelinedModel(keras.Model):
         lines = [
             f"Pipeline: {k} stage(s) on {len(self.pipeline_devices)} device(s) x "
             f"{self.num_microbatches} micro-batch(es), schedule={self.schedule.name}, "
-            f"recompute={self.recompute}, "
+            f"recompute={self.recompute}, execution={self.execution}"
+            f"{' (tfpipe chose it)' if self.pipeline_config.execution_chosen else ''}, "
             f"schedule's ideal bubble (F=1, B=2)={sim.bubble_fraction:.1%}, "
             f"peak live activations per device={sim.peak_activations}",
             f"{'stage':<7}{'name':<24}{'device':<46}{'layers':>7}{'params':>12}  output",

@@ -146,11 +146,13 @@ class Schedule:
     """Base class: a schedule is `actions(M, D)`, one action list per device.
 
     Subclasses set `name` and implement `actions`; `virtual_stages` (v) is the
-    number of stages each device holds (K = v * D).
+    number of stages each device holds (K = v * D); `splits_backward` says
+    whether the backward is split into I and W actions.
     """
 
     name = "schedule"
     virtual_stages = 1
+    splits_backward = False
 
     def num_stages(self, num_devices):
         """K: how many model stages this schedule runs on `num_devices`."""
@@ -334,6 +336,7 @@ class ZeroBubbleH1(Schedule):
     """
 
     name = "zbh1"
+    splits_backward = True
 
     def actions(self, num_microbatches, num_devices):
         self.check(num_microbatches, num_devices)
@@ -385,6 +388,7 @@ class ZeroBubbleV(Schedule):
     """
 
     name = "zbv"
+    splits_backward = True
     virtual_stages = 2
 
     def stage_device(self, stage, num_devices):
@@ -479,6 +483,7 @@ class Segmented(Schedule):
         self.base, self.segments = base, segments
         self.name = f"{base.name}/segments={segments}"
         self.virtual_stages = base.virtual_stages * segments
+        self.splits_backward = base.splits_backward
 
     def get_config(self):
         return {"schedule": to_config(self.base), "segments": self.segments}
@@ -536,6 +541,7 @@ class Table(Schedule):
         self._num_stages = stages
         self._num_microbatches = 1 + max((a.microbatch for row in self.table for a in row),
                                          default=-1)
+        self.splits_backward = any(a.kind in ("I", "W") for row in self.table for a in row)
 
     def get_config(self):
         return {"table": [[str(a) for a in row] for row in self.table], "name": self.name}

@@ -60,12 +60,14 @@ class PipelineStrategy(tf.distribute.Strategy):
         `Interleaved(virtual_stages=4)` or a `Table` of actions.
       recompute: `"always"`, `"except_last"` or `"never"`; default
         `"except_last"` (unrolled) or `"always"` (loop).
-      execution: `"unrolled"` (default: every action is traced, so the graph
-        grows with M), `"stage_functions"` (the same walk, each stage's forward
-        traced once as a `tf.function` and called per micro-batch: trace time
-        grows far less with M; see `tfpipe.runtime.StageFunction`) or `"loop"`
-        (a `tf.while_loop` over clock ticks, traced once whatever M; implies
-        recompute `"always"`). See `tfpipe.loop`.
+      execution: `"unrolled"` (every action is traced, so the graph grows
+        with M), `"stage_functions"` (the same walk, each stage traced once as
+        a `tf.function` and called per micro-batch: trace time grows far less
+        with M; see `tfpipe.runtime.StageFunction`) or `"loop"` (a
+        `tf.while_loop` over clock ticks, traced once whatever M; implies
+        recompute `"always"`; see `tfpipe.loop`). Default: chosen per model
+        by `tfpipe.config.default_execution`, `"stage_functions"` from M=8 on
+        unless the schedule splits the backward, else `"unrolled"`.
       batch_norm: `"deferred"` (default) or `"plain"`; see `tfpipe.batchnorm`.
 
     >>> tfpipe.testing.use_logical_cpus(4)               # doctest: +SKIP

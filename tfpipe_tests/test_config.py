@@ -25,6 +25,14 @@ from tfpipe_tests import helpers
     (dict(recompute="never"), dict(execution="loop"), dict(execution="loop", recompute="always")),
     (dict(schedule="1f1b", batch_norm="plain"), dict(recompute="never"),
      dict(schedule="1f1b", batch_norm="plain", recompute="never")),
+    # An unset execution is chosen at the model's own M.
+    (dict(num_microbatches=8), {}, dict(execution="stage_functions", recompute="except_last",
+                                        execution_chosen=True)),
+    (dict(num_microbatches=8), dict(num_microbatches=4), dict(execution="unrolled",
+                                                              execution_chosen=True)),
+    (dict(num_microbatches=8), dict(execution="unrolled"), dict(execution="unrolled",
+                                                                execution_chosen=False)),
+    (dict(execution="loop"), dict(num_microbatches=8), dict(execution="loop")),
 ])
 def test_settings_come_from_the_model_then_the_strategy(strategy_kwargs, model_kwargs, expected):
     with tfpipe.PipelineStrategy(**strategy_kwargs).scope():
@@ -78,3 +86,52 @@ def test_config_round_trips_through_json():
                                         execution="loop", batch_norm="plain")
     again = tfpipe.PipelineConfig.from_json(config.to_json())
     assert again == config and again.recompute == "always"
+
+
+@pytest.mark.parametrize("num_microbatches, schedule, expected", [
+    (1, "gpipe", "unrolled"),
+    (4, "1f1b", "unrolled"),
+    (7, "gpipe", "unrolled"),
+    (8, "gpipe", "stage_functions"),
+    (16, "interleaved", "stage_functions"),
+    (32, "1f1b", "stage_functions"),
+    # A split backward holds W back from I only when unrolled.
+    (8, "zbh1", "unrolled"),
+    (32, "zbv", "unrolled"),
+    (8, "zbh1/segments=2", "unrolled"),
+    (8, "gpipe/segments=2", "stage_functions"),
+    (8, schedules.Table([[f"F0.{m}" for m in range(8)] + [f"I0.{m}" for m in range(8)]
+                         + [f"W0.{m}" for m in range(8)]]), "unrolled"),
+    (8, schedules.Table([[f"F0.{m}" for m in range(8)] + [f"B0.{m}" for m in range(8)]]),
+     "stage_functions"),
+])
+def test_an_unset_execution_is_chosen_from_m_and_the_schedule(num_microbatches, schedule,
+                                                               expected):
+    config = tfpipe.PipelineConfig.make(num_microbatches=num_microbatches, schedule=schedule)
+    assert (config.execution, config.execution_chosen) == (expected, True)
+    assert config.recompute == "except_last"
+    # Saved unset, so a config made from it chooses again.
+    assert config.to_json()["execution"] is None
+    assert tfpipe.PipelineConfig.from_json(config.to_json()) == config
+    given = tfpipe.PipelineConfig.make(num_microbatches=num_microbatches, schedule=schedule,
+                                       execution="loop")
+    assert (given.execution, given.execution_chosen, given.to_json()["execution"]) == (
+        "loop", False, "loop")
+
+
+@pytest.mark.parametrize("saved_execution, load_m, expected", [
+    (None, 8, "stage_functions"),      # chosen at M=2, chosen again at M=8
+    ("unrolled", 8, "unrolled"),       # given: kept
+    (None, None, "unrolled"),          # the saved M=2
+])
+def test_a_loaded_model_chooses_its_execution_again_unless_it_was_given(
+        tmp_path, saved_execution, load_m, expected):
+    model, path, x = _saved(tmp_path, num_microbatches=2, execution=saved_execution)
+    assert model.execution == "unrolled"
+    assert model.get_config()["pipeline"]["execution"] == saved_execution
+    with tfpipe.PipelineStrategy(num_microbatches=load_m).scope():
+        loaded = keras.models.load_model(path)
+    assert loaded.execution == expected
+    assert loaded.pipeline_config.execution_chosen == (saved_execution is None)
+    np.testing.assert_allclose(loaded.predict(x, batch_size=16, verbose=0),
+                               model.predict(x, batch_size=16, verbose=0), atol=1e-6)

@@ -107,14 +107,20 @@ def test_train_digits_mlp_learns_and_logs(tmp_path):
     assert list((tmp_path / "tensorboard" / "pipeline").glob("events.out.tfevents.*"))
 
 
-@pytest.mark.parametrize("schedule, execution", [("1f1b", "unrolled"),
-                                                 ("interleaved", "loop")])
-def test_train_with_other_schedules(tmp_path, schedule, execution):
+@pytest.mark.parametrize("schedule, execution, microbatches, runs_as", [
+    ("1f1b", "unrolled", 2, "unrolled"),
+    ("interleaved", "loop", 2, "loop"),
+    ("gpipe", "auto", 8, "stage_functions"),   # tfpipe's choice at M=8
+])
+def test_train_with_other_schedules(tmp_path, schedule, execution, microbatches, runs_as):
     # Interleaved: 4 stages on 2 devices (stage k on device k mod 2).
-    result = train_lib.train(_config(tmp_path, stages=4, microbatches=2, batch_size=32,
-                                     epochs=1, steps_per_epoch=3, schedule=schedule,
-                                     execution=execution))
+    result = train_lib.train(_config(tmp_path, stages=4, microbatches=microbatches,
+                                     batch_size=32, epochs=1, steps_per_epoch=3,
+                                     schedule=schedule, execution=execution))
     assert result["steps"] == 3 and np.isfinite(result["train_loss"])
+    assert result["model"].execution == runs_as
+    chosen = " (tfpipe chose it)" if execution == "auto" else ","
+    assert f"execution={runs_as}{chosen}" in result["pipeline_summary"]
     devices = list(result["model"].stage_devices)
     expected = 2 if schedule == "interleaved" else 4
     assert len(set(devices)) == expected and devices[0] == devices[expected % 4]

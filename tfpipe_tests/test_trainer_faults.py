@@ -566,7 +566,7 @@ BAD_FLAGS = [
     ("--recompute=sometimes", "flag --recompute=sometimes: value should be one of "
                               "<auto|always|except_last|never>"),
     ("--execution=graph", "flag --execution=graph: value should be one of "
-                          "<unrolled|stage_functions|loop>"),
+                          "<auto|unrolled|stage_functions|loop>"),
     ("--schedule=gpipee", "flag --schedule=gpipee: unknown schedule 'gpipee'; valid choices: "
                           "gpipe, 1f1b, interleaved (2 stages per device), interleaved:V (V "
                           "stages per device, V >= 1), zbh1, zbv (2 stages per device, in a "
@@ -681,7 +681,7 @@ def test_flag_choices_match_the_library():
     import tfpipe  # pylint: disable=import-outside-toplevel
 
     assert config_lib.RECOMPUTE_MODES[1:] == tfpipe.recompute.RECOMPUTE_MODES
-    assert config_lib.EXECUTIONS == tfpipe.recompute.EXECUTIONS
+    assert config_lib.EXECUTIONS[1:] == tfpipe.recompute.EXECUTIONS
     for name in ("gpipe", "1f1b", "interleaved", "interleaved:3", "zbh1", "zbv",
                  "1f1b/segments=2", "zbv/segments=3"):
         assert tfpipe.schedules.get(name).virtual_stages == config_lib.virtual_stages(name)
