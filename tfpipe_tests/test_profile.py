@@ -38,6 +38,9 @@ def _model(schedule, execution="unrolled", m=4):
 @pytest.mark.parametrize("schedule, execution", [
     ("gpipe", "unrolled"), ("1f1b", "unrolled"), (schedules.Interleaved(2), "unrolled"),
     ("zbh1", "unrolled"), ("zbv", "unrolled"),
+    # Stage functions (tfpipe's choice from M=8 on) stamp each call.
+    ("gpipe", "stage_functions"), ("1f1b", "stage_functions"),
+    (schedules.Interleaved(2), "stage_functions"),
     # The loop form stamps its actions too (no barrier between ticks).
     ("1f1b", "loop"), ("zbh1", "loop"), ("zbv", "loop")])
 def test_record_step_follows_the_schedule_and_changes_nothing(schedule, execution):
