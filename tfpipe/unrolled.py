@@ -232,8 +232,13 @@ class UnrolledBackend:
                             store.last[d] = tf.identity(produced.tensors[0])
             if pipeline.serialize_ops:
                 excluded = {id(op) for op in produced.exclude_ops}
-                ops = produced.include_ops + [op for op in graph.get_operations()[first_op:]
-                                              if id(op) not in excluded]
+                new = [op for op in graph.get_operations()[first_op:] if id(op) not in excluded]
+                # Ops made earlier but released by this action (a split W's
+                # weight half) wait for its gate; with a timeline that is the
+                # start stamp made here, so they are chained right after it.
+                at = next((i + 1 for i, op in enumerate(new)
+                           if store.start is not None and op is store.start.op), 0)
+                ops = new[:at] + produced.include_ops + new[at:]
                 last_op[d] = _internal.chain_ops(ops, last_op[d])
 
 

@@ -75,6 +75,23 @@ def test_record_step_follows_the_schedule_and_changes_nothing(schedule, executio
     assert timeline.predicted_overlap_ms > 0.0  # M=4 on 2 devices: the schedule overlaps
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1", "zbv"])
+def test_record_step_with_one_stream_per_device(schedule):
+    # The benchmarks' stream emulation (serialize_ops) chains each device's ops
+    # in run order. A split W's weight half, made at I, waits for W's start
+    # stamp: chained before it, the step had "nodes in a cycle".
+    model = _model(schedule)
+    model.pipeline.serialize_ops = True
+    x, y = helpers.regression_data(n=16)
+    timeline = tfpipe.profile.record_step(model, x, y)
+    table = model.schedule.actions(4, 2)
+    for dev in range(2):
+        mine = sorted((e for e in timeline.events if e.device == dev), key=lambda e: e.start_ms)
+        assert [e.name for e in mine] == [str(a) for a in table[dev]]
+        for prev, cur in zip(mine, mine[1:]):
+            assert cur.start_ms >= prev.end_ms
+
+
 def _wide_model(schedule, execution, m, width=512, layers=4):
     """Two stages with enough work per micro-batch (a few ms) to run at once."""
     strategy = tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], num_microbatches=m,
