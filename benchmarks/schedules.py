@@ -216,7 +216,7 @@ def measure_step(num_devices, num_microbatches, schedule="gpipe", recompute="nev
                  execution="unrolled", batch=DEFAULT_MODEL["batch"],
                  width=DEFAULT_MODEL["width"], layers=DEFAULT_MODEL["layers"], warmup=2,
                  repeats=5, steps=3, baselines=("plain", "plain_threaded"), seed=0,
-                 serialize_ops=True, trace_repeats=1):
+                 serialize_ops=True, trace_repeats=1, timeline=False):
     """Times one pipelined configuration and the plain baselines; runs in a child.
 
     The calling process must have >= `num_devices` logical CPUs and its
@@ -225,14 +225,15 @@ def measure_step(num_devices, num_microbatches, schedule="gpipe", recompute="nev
     cpu_per_wall, trace_s (median of `trace_repeats` traces), trace_runs_s,
     first_call_s, ops, ops_total; and "speedup"
     (baseline step / tfpipe step) per baseline. With repeats=0 only the trace
-    and first call are measured.
+    and first call are measured. With `timeline`, "timeline" holds one
+    recorded step's costs (`recorded_costs`).
     """
     import keras  # pylint: disable=import-outside-toplevel
     keras.utils.set_random_seed(seed)
     x, y = common.random_batch(batch, width, seed)
-    models = {"tfpipe": _Timed(
-        _build_pipelined(num_devices, num_microbatches, schedule, recompute, execution,
-                         layers, width, serialize_ops), x, y, trace_repeats=trace_repeats)}
+    pipelined = _build_pipelined(num_devices, num_microbatches, schedule, recompute, execution,
+                                 layers, width, serialize_ops)
+    models = {"tfpipe": _Timed(pipelined, x, y, trace_repeats=trace_repeats)}
     if "plain" in baselines:
         models["plain"] = _Timed(_build_plain(layers, width), x, y, _single_threaded)
     if "plain_threaded" in baselines:
@@ -262,8 +263,46 @@ def measure_step(num_devices, num_microbatches, schedule="gpipe", recompute="nev
         "serialize_ops": serialize_ops,
     }
     result["last_loss"] = losses.get("tfpipe")
+    if timeline:
+        result["timeline"] = recorded_costs(pipelined, x, y)
     result["peak_rss_mib"] = common.peak_rss_mib()
     return result
+
+
+def recorded_costs(model, x, y):
+    """One step of `model` recorded (`tfpipe.profile.record_step`: forward and
+    backward, no update) and the schedule simulated on its measured costs.
+
+    Returns a dict: "mean_ms" per action kind (over all stages), "span_ms"
+    (the recorded step's forward and backward), "predicted_span_ms" (the
+    schedule simulated with each stage's mean F, B, I, W; no transfers or
+    contention), and the timeline's measured and predicted bubbles.
+    """
+    import tfpipe  # pylint: disable=import-outside-toplevel
+    timeline = tfpipe.profile.record_step(model, x, y)
+    k_count, d_count = len(model.stages), len(model.pipeline_devices)
+
+    def stage_means(kind):
+        out = []
+        for k in range(k_count):
+            times = [e.end_ms - e.start_ms for e in timeline.events
+                     if e.stage == k and e.kind == kind]
+            out.append(statistics.mean(times) if times else 0.0)
+        return out
+
+    forward, weight = stage_means("F"), stage_means("W")
+    backward = [b + i + w for b, i, w in zip(stage_means("B"), stage_means("I"), weight)]
+    predicted = tfpipe.schedules.simulate(model.schedule, model.num_microbatches, d_count,
+                                          forward, backward, weight_cost=weight)
+    kinds = sorted({e.kind for e in timeline.events})
+    return {
+        "mean_ms": {kind: statistics.mean(e.end_ms - e.start_ms for e in timeline.events
+                                          if e.kind == kind) for kind in kinds},
+        "span_ms": max(e.end_ms for e in timeline.events),
+        "predicted_span_ms": predicted.makespan,
+        "measured_bubble": timeline.measured_bubble,
+        "predicted_bubble": timeline.predicted_bubble,
+    }
 
 
 def run_config(num_devices, num_microbatches, schedule="gpipe", timeout=1800, **kwargs):
@@ -515,6 +554,12 @@ def zero_bubble_summary(rows):
         if "zbh1" in at and "1f1b" in at:
             entry["zbh1_over_1f1b"] = at["zbh1"]["speedup"] / at["1f1b"]["speedup"]
             entry["zbh1_over_1f1b_simulated"] = at["zbh1"]["ideal_sim"] / at["1f1b"]["ideal_sim"]
+            recorded = [at[s]["result"].get("timeline") for s in ("1f1b", "zbh1")]
+            if all(recorded):  # --timeline: the same ratio on the recorded steps
+                entry["zbh1_over_1f1b_recorded"] = (recorded[0]["span_ms"]
+                                                    / recorded[1]["span_ms"])
+                entry["zbh1_over_1f1b_simulated_on_recorded_costs"] = (
+                    recorded[0]["predicted_span_ms"] / recorded[1]["predicted_span_ms"])
         if "zbv" in at:
             entry["zbv_ratio_to_ideal"] = at["zbv"]["ratio_to_ideal"]
         if len(entry) > 2:
@@ -567,7 +612,7 @@ def main(argv):
     f = flags.FLAGS
     model = {"batch": f.batch, "width": f.width, "layers": f.layers}
     timing = {"repeats": f.repeats, "steps": f.steps, "warmup": f.warmup,
-              "recompute": f.recompute}
+              "recompute": f.recompute, "timeline": f.timeline}
     start = time.perf_counter()
     info = common.machine()
     print(f"machine: {common.machine_label(info)}; load average {info['load_average_at_start']}")
@@ -616,6 +661,9 @@ def _define_flags():
     flags.DEFINE_integer("repeats", 5, "Timed runs per model; the median is reported.")
     flags.DEFINE_integer("steps", 3, "Steps per timed run.")
     flags.DEFINE_integer("warmup", 2, "Untimed calls per model (the first traces).")
+    flags.DEFINE_bool("timeline", False,
+                      "Also record one step per row (tfpipe.profile.record_step) and "
+                      "simulate its schedule on the recorded costs.")
     flags.DEFINE_string("trace_devices", "2", "K for the trace-time runs.")
     flags.DEFINE_string("trace_executions", "unrolled,stage_functions,loop",
                         "Executions of the trace-time runs.")

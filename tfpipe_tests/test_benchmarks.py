@@ -70,6 +70,35 @@ def test_measure_step_in_process():
     json.dumps(result)  # what a child prints must be JSON
 
 
+@pytest.mark.parametrize("schedule, kinds", [("1f1b", {"F", "B"}), ("zbh1", {"F", "I", "W"})])
+def test_measure_step_records_a_step_and_simulates_it_on_its_costs(schedule, kinds):
+    result = schedules.measure_step(2, 2, schedule, batch=16, width=8, layers=2, warmup=1,
+                                    repeats=1, steps=1, baselines=(), timeline=True)
+    recorded = result["timeline"]
+    assert set(recorded["mean_ms"]) == kinds and min(recorded["mean_ms"].values()) > 0
+    assert recorded["span_ms"] > 0 and recorded["predicted_span_ms"] > 0
+    assert 0.0 <= recorded["predicted_bubble"] < 1.0 and 0.0 <= recorded["measured_bubble"] < 1.0
+    json.dumps(result)
+
+
+def test_zero_bubble_summary_compares_recorded_steps_where_there_are_some():
+    def row(schedule, speedup, ideal_sim, span=None, predicted=None):
+        timeline = None if span is None else {"span_ms": span, "predicted_span_ms": predicted}
+        return {"num_devices": 2, "num_microbatches": 8, "schedule": schedule,
+                "speedup": speedup, "ideal_sim": ideal_sim, "ratio_to_ideal": speedup / ideal_sim,
+                "result": {"timeline": timeline}}
+
+    rows = [row("1f1b", 1.6, 1.78, span=100.0, predicted=90.0),
+            row("zbh1", 1.8, 1.92, span=80.0, predicted=75.0)]
+    entry, = schedules.zero_bubble_summary(rows)
+    assert entry["zbh1_over_1f1b"] == pytest.approx(1.8 / 1.6)
+    assert entry["zbh1_over_1f1b_recorded"] == pytest.approx(100.0 / 80.0)
+    assert entry["zbh1_over_1f1b_simulated_on_recorded_costs"] == pytest.approx(90.0 / 75.0)
+    rows[1]["result"]["timeline"] = None  # recorded for one schedule only: no ratio
+    entry, = schedules.zero_bubble_summary(rows)
+    assert "zbh1_over_1f1b_recorded" not in entry
+
+
 def test_measure_trace_loop_in_process():
     result = schedules.measure_trace(2, 2, "loop", batch=8, width=4, layers=2, steps=1)
     assert result["ops_total"] > result["ops"]  # the while body is a nested function
