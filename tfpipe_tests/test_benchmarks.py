@@ -81,22 +81,33 @@ def test_measure_step_records_a_step_and_simulates_it_on_its_costs(schedule, kin
     json.dumps(result)
 
 
-def test_zero_bubble_summary_compares_recorded_steps_where_there_are_some():
-    def row(schedule, speedup, ideal_sim, span=None, predicted=None):
-        timeline = None if span is None else {"span_ms": span, "predicted_span_ms": predicted}
+def test_zero_bubble_summary_adds_the_split_gain_where_zbh1_was_recorded():
+    def row(schedule, speedup, ideal_sim, stage_ms=None):
         return {"num_devices": 2, "num_microbatches": 8, "schedule": schedule,
                 "speedup": speedup, "ideal_sim": ideal_sim, "ratio_to_ideal": speedup / ideal_sim,
-                "result": {"timeline": timeline}}
+                "result": {"timeline": None if stage_ms is None else {"stage_ms": stage_ms}}}
 
-    rows = [row("1f1b", 1.6, 1.78, span=100.0, predicted=90.0),
-            row("zbh1", 1.8, 1.92, span=80.0, predicted=75.0)]
+    costs = {"forward": [1, 1], "backward": [2, 2], "weight": [1, 1]}
+    rows = [row("1f1b", 1.6, 1.78), row("zbh1", 1.8, 1.92, costs)]
     entry, = schedules.zero_bubble_summary(rows)
     assert entry["zbh1_over_1f1b"] == pytest.approx(1.8 / 1.6)
-    assert entry["zbh1_over_1f1b_recorded"] == pytest.approx(100.0 / 80.0)
-    assert entry["zbh1_over_1f1b_simulated_on_recorded_costs"] == pytest.approx(90.0 / 75.0)
-    rows[1]["result"]["timeline"] = None  # recorded for one schedule only: no ratio
+    assert entry["zbh1_over_1f1b_simulated_on_zbh1_costs"] == pytest.approx(
+        schedules.split_gain(costs, 2, 8))
+    rows[1]["result"]["timeline"] = None  # not recorded (no --timeline)
     entry, = schedules.zero_bubble_summary(rows)
-    assert "zbh1_over_1f1b_recorded" not in entry
+    assert "zbh1_over_1f1b_simulated_on_zbh1_costs" not in entry
+
+
+@pytest.mark.parametrize("stage_ms, m, expected", [
+    # F = I = W = 1 on both stages: the simulator's own ratio, 1F1B 3M + 3 (M + 1
+    # with F=1, B=2 on 2 devices) over ZB-H1's 3M + 1.
+    ({"forward": [1, 1], "backward": [2, 2], "weight": [1, 1]}, 8, 27 / 25),
+    ({"forward": [1, 1], "backward": [2, 2], "weight": [1, 1]}, 4, 15 / 13),
+    # W costs nothing: no split gain.
+    ({"forward": [1, 1], "backward": [2, 2], "weight": [0, 0]}, 8, 1.0),
+])
+def test_split_gain_simulates_both_schedules_on_the_same_costs(stage_ms, m, expected):
+    assert schedules.split_gain(stage_ms, 2, m) == pytest.approx(expected)
 
 
 def test_measure_trace_loop_in_process():
