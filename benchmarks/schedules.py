@@ -282,20 +282,10 @@ def recorded_costs(model, x, y):
     """
     import tfpipe  # pylint: disable=import-outside-toplevel
     timeline = tfpipe.profile.record_step(model, x, y)
-    k_count, d_count = len(model.stages), len(model.pipeline_devices)
-
-    def stage_means(kind):
-        out = []
-        for k in range(k_count):
-            times = [e.end_ms - e.start_ms for e in timeline.events
-                     if e.stage == k and e.kind == kind]
-            out.append(statistics.mean(times) if times else 0.0)
-        return out
-
-    forward, weight = stage_means("F"), stage_means("W")
-    backward = [b + i + w for b, i, w in zip(stage_means("B"), stage_means("I"), weight)]
-    predicted = tfpipe.schedules.simulate(model.schedule, model.num_microbatches, d_count,
-                                          forward, backward, weight_cost=weight)
+    forward, backward, weight = tfpipe.profile.stage_costs(timeline.events, len(model.stages))
+    predicted = tfpipe.schedules.simulate(model.schedule, model.num_microbatches,
+                                          len(model.pipeline_devices), forward, backward,
+                                          weight_cost=weight)
     kinds = sorted({e.kind for e in timeline.events})
     return {
         "mean_ms": {kind: statistics.mean(e.end_ms - e.start_ms for e in timeline.events

@@ -320,12 +320,26 @@ def overlap_ms(intervals):
     return total
 
 
-def _stage_costs(events, num_stages, kind):
-    costs = []
-    for k in range(num_stages):
-        durations = [e.end_ms - e.start_ms for e in events if e.stage == k and e.kind == kind]
-        costs.append(sum(durations) / len(durations) if durations else 0.0)
-    return costs
+def stage_costs(events, num_stages):
+    """Each stage's mean measured cost in ms, as `schedules.simulate` takes it.
+
+    Args:
+      events: a `Timeline`'s events.
+      num_stages: K.
+    Returns:
+      (forward, backward, weight): lists of K floats; backward is a stage's B,
+      or its I + W under a split schedule; weight is its W (0.0 where none).
+    """
+    def mean(kind):
+        costs = []
+        for k in range(num_stages):
+            durations = [e.end_ms - e.start_ms for e in events if e.stage == k and e.kind == kind]
+            costs.append(sum(durations) / len(durations) if durations else 0.0)
+        return costs
+
+    forward, weight = mean("F"), mean("W")
+    backward = [b + i + w for b, i, w in zip(mean("B"), mean("I"), weight)]
+    return forward, backward, weight
 
 
 def record_step(model, x, y=None, sample_weight=None, repeats=2):
@@ -388,11 +402,7 @@ def record_step(model, x, y=None, sample_weight=None, repeats=2):
     d_count, k_count = len(model.pipeline_devices), len(model.stages)
     span = max(e.end_ms for e in events)
     busy = sum(e.end_ms - e.start_ms for e in events)
-    forward = _stage_costs(events, k_count, "F")
-    weight = _stage_costs(events, k_count, "W")
-    # A split backward's cost is its I plus its W.
-    backward = [b + i + w for b, i, w in zip(_stage_costs(events, k_count, "B"),
-                                             _stage_costs(events, k_count, "I"), weight)]
+    forward, backward, weight = stage_costs(events, k_count)
     m_count = model.num_microbatches
     predicted = schedules.simulate(model.schedule, m_count, d_count, forward, backward,
                                    weight_cost=weight)

@@ -92,6 +92,19 @@ def test_record_step_with_one_stream_per_device(schedule):
             assert cur.start_ms >= prev.end_ms
 
 
+@pytest.mark.parametrize("events, expected", [
+    # Means per stage; a stage with no action of a kind costs 0.
+    ([(0, "F", 0, 0, 0.0, 2.0), (0, "F", 0, 1, 2.0, 6.0), (1, "B", 1, 0, 3.0, 9.0)],
+     ([3.0, 0.0], [0.0, 6.0], [0.0, 0.0])),
+    # Split: backward is I + W, weight is W (stage 0 has no I).
+    ([(0, "I", 1, 0, 0.0, 1.0), (0, "W", 1, 0, 1.0, 4.0), (0, "W", 0, 0, 4.0, 6.0)],
+     ([0.0, 0.0], [2.0, 4.0], [2.0, 3.0])),
+])
+def test_stage_costs_are_what_the_simulator_takes(events, expected):
+    events = [profile.Event(*e) for e in events]
+    assert profile.stage_costs(events, 2) == tuple(list(map(pytest.approx, c)) for c in expected)
+
+
 def _wide_model(schedule, execution, m, width=512, layers=4):
     """Two stages with enough work per micro-batch (a few ms) to run at once."""
     strategy = tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], num_microbatches=m,
