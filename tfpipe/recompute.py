@@ -48,7 +48,8 @@ def resolve(mode, execution):
             f"all recompute modes), 'stage_functions' (every action called, each stage "
             f"traced once as a tf.function; all recompute modes) or 'loop' (a "
             f"tf.while_loop over clock ticks; graph size independent of "
-            f"num_microbatches; recompute='always')."
+            f"num_microbatches; recompute='always'), or leave it unset (None) for "
+            f"tfpipe's choice (tfpipe.config.default_execution)."
         )
     if mode is None:
         return "always" if execution == "loop" else "except_last"

@@ -230,6 +230,9 @@ ERRORS = [
     ("recompute_name", strategy(recompute="sometimes"), r"Unknown recompute mode 'sometimes'"),
     ("model_recompute_name", model_argument(recompute="yes"), r"Unknown recompute mode 'yes'"),
     ("execution_name", strategy(execution="graph"), r"Unknown execution 'graph'"),
+    # launch.train takes --execution=auto; the library's "auto" is None.
+    ("execution_auto", strategy(execution="auto"),
+     r"Unknown execution 'auto'.*leave it unset \(None\) for tfpipe's choice"),
     ("batch_norm_name", strategy(batch_norm="sync"), r"Unknown batch_norm 'sync'.*'deferred'"),
     ("loop_with_recompute_never", loop_with_recompute_never,
      r"execution='loop'.*needs recompute='always'"),
