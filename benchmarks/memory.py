@@ -53,6 +53,7 @@ re-materialisation.
     python -m benchmarks.memory --layers=4 --width=64 --batch=1024 --budget_mib=0
 """
 
+import contextlib
 import gc
 import os
 import pathlib
@@ -68,6 +69,11 @@ IN_WIDTH, OUT_WIDTH = 64, 16
 MODEL = {"layers": 16, "width": 256, "batch": 8192}
 QUICK_MODEL = {"layers": 8, "width": 256, "batch": 8192}
 CAPACITY_MODEL = {"width": 128, "batch": 16384, "num_microbatches": 4}
+# Rows per step of `host_floor`: activations are then negligible (64 x width x 4 B
+# per layer) and every micro-batch count up to 64 cuts them evenly.
+HOST_FLOOR_BATCH = 64
+# The loop form takes recompute="always" only, so it has no "never" row.
+HOST_FLOOR_EXECUTIONS = ("unrolled", "stage_functions")
 
 # Every tensor over 64 KiB is its own mmap, unmapped when freed (glibc would
 # otherwise raise the threshold after the first large free and keep freed
@@ -147,22 +153,12 @@ def params(layers, width):
             + (width + 1) * OUT_WIDTH)
 
 
-def measure_memory(layers, width, batch, num_microbatches=1, recompute="never",
-                   num_devices=1, execution="unrolled", step=True, steps=2, seed=0,
-                   segment_layers=0):
-    """Builds the model (and steps it `steps` times if `step`); MiB figures.
-
-    Runs in a child with `num_devices` logical CPUs (see `run_memory`).
-    `segment_layers` > 0: each device's stage is re-materialised in segments
-    of that many layers (`tfpipe.schedules.Segmented`).
-    """
+def _pipelined_model(layers, width, num_microbatches, recompute, num_devices, execution,
+                     segment_layers):
+    """The benchmark's model as K equal stages, in segments of `segment_layers`;
+    compiled."""
     import keras  # pylint: disable=import-outside-toplevel
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import tfpipe  # pylint: disable=import-outside-toplevel
-    keras.utils.set_random_seed(seed)
-    tf.constant(0.0).numpy()  # the runtime is up before anything is counted
-    _trim()
-    runtime_mib = common.rss_mib()  # before the model: what building it adds is built - this
     if layers % num_devices:
         raise ValueError(f"{layers} layers do not cut into {num_devices} equal stages.")
     per_device = layers // num_devices
@@ -181,13 +177,42 @@ def measure_memory(layers, width, batch, num_microbatches=1, recompute="never",
         model = tfpipe.PipelinedModel([keras.Sequential(s) for s in stages],
                                       input_shape=(None, IN_WIDTH))
         model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    return model
+
+
+def measure_memory(layers, width, batch, num_microbatches=1, recompute="never",
+                   num_devices=1, execution="unrolled", step=True, steps=2, seed=0,
+                   segment_layers=0, plain=False):
+    """Builds the model (and steps it `steps` times if `step`); MiB figures.
+
+    Runs in a child with `num_devices` logical CPUs (see `run_memory`).
+    `segment_layers` > 0: each device's stage is re-materialised in segments
+    of that many layers (`tfpipe.schedules.Segmented`). `plain`: the same
+    layers as one plain `keras.Sequential` (no tfpipe; the pipeline
+    arguments are not used).
+    """
+    import keras  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import tfpipe  # pylint: disable=import-outside-toplevel
+    keras.utils.set_random_seed(seed)
+    tf.constant(0.0).numpy()  # the runtime is up before anything is counted
+    _trim()
+    runtime_mib = common.rss_mib()  # before the model: what building it adds is built - this
+    if plain:
+        model = keras.Sequential(common.mlp_layers(layers, width)
+                                 + [keras.layers.Dense(OUT_WIDTH)])
+        model.build((None, IN_WIDTH))
+        model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    else:
+        model = _pipelined_model(layers, width, num_microbatches, recompute, num_devices,
+                                 execution, segment_layers)
     gen = tf.random.Generator.from_seed(seed)
     x, y = gen.normal((batch, IN_WIDTH)), gen.normal((batch, OUT_WIDTH))
     result = {
         "config": {"layers": layers, "width": width, "batch": batch,
                    "num_microbatches": num_microbatches, "recompute": recompute,
                    "num_devices": num_devices, "execution": execution, "step": step,
-                   "segment_layers": segment_layers,
+                   "segment_layers": segment_layers, "plain": plain,
                    "steps": steps, "optimizer": "Adam(1e-4)",
                    "model": f"{IN_WIDTH} -> {layers} x Dense({width}, relu) -> "
                             f"Dense({OUT_WIDTH})"},
@@ -196,33 +221,37 @@ def measure_memory(layers, width, batch, num_microbatches=1, recompute="never",
         "built_mib": common.rss_mib(),
     }
     if step:
-        # As Keras' fit traces it: without AutoGraph (it would convert tfpipe's
-        # own Python, which fit never does, and inflate the trace time).
-        fn = tf.function(lambda a, b: model.train_step((a, b)), autograph=False)
-        _trim()
-        before_trace = common.rss_mib()
-        concrete = fn.get_concrete_function(tf.TensorSpec(x.shape, x.dtype),
-                                            tf.TensorSpec(y.shape, y.dtype))
-        _trim()
-        traced = common.rss_mib()
-        result["trace_mib"] = traced - before_trace
-        held_mib = _tensor_mib("current")  # variables, optimizer slots, the batch
-        _reset_tensor_peak()
-        start = time.perf_counter()
-        loss = float(concrete(x, y)["loss"])  # graph optimisation, first allocations
-        result["first_step_s"] = time.perf_counter() - start
-        runs = []
-        for _ in range(steps - 1):
+        # As fit calls it: a step of stage functions, and its trace, run with
+        # grappler's function optimiser off (`tfpipe.runtime.call_scope`).
+        with (contextlib.nullcontext() if plain
+              else tfpipe.runtime.call_scope(model.execution)):
+            # As Keras' fit traces it: without AutoGraph (it would convert tfpipe's
+            # own Python, which fit never does, and inflate the trace time).
+            fn = tf.function(lambda a, b: model.train_step((a, b)), autograph=False)
             _trim()
-            before = common.rss_mib()
-            reset = _reset_peak()
-            loss = float(concrete(x, y)["loss"])
-            runs.append(common.peak_rss_mib() - before if reset else None)
-        result["loss"] = loss
-        result["tensor_held_mib"] = held_mib
-        result["tensor_peak_mib"] = _tensor_mib("peak")
-        result["runs_mib"] = runs
-        result["run_mib"] = max(runs) if runs and None not in runs else None
+            before_trace = common.rss_mib()
+            concrete = fn.get_concrete_function(tf.TensorSpec(x.shape, x.dtype),
+                                                tf.TensorSpec(y.shape, y.dtype))
+            _trim()
+            traced = common.rss_mib()
+            result["trace_mib"] = traced - before_trace
+            held_mib = _tensor_mib("current")  # variables, optimizer slots, the batch
+            _reset_tensor_peak()
+            start = time.perf_counter()
+            loss = float(concrete(x, y)["loss"])  # graph optimisation, first allocations
+            result["first_step_s"] = time.perf_counter() - start
+            runs = []
+            for _ in range(steps - 1):
+                _trim()
+                before = common.rss_mib()
+                reset = _reset_peak()
+                loss = float(concrete(x, y)["loss"])
+                runs.append(common.peak_rss_mib() - before if reset else None)
+            result["loss"] = loss
+            result["tensor_held_mib"] = held_mib
+            result["tensor_peak_mib"] = _tensor_mib("peak")
+            result["runs_mib"] = runs
+            result["run_mib"] = max(runs) if runs and None not in runs else None
     result["peak_mib"] = _max_rss_mib()
     return result
 
@@ -429,10 +458,15 @@ def largest_model(recompute, budget_mib, runtime_mib, width, batch, num_microbat
 
 
 def capacity(budget_mib, width, batch, num_microbatches, steps=1, log=print,
-             segment_layers=(), measure="process", **kwargs):
+             segment_layers=(), measure="process", host_floor_ratio=0,
+             host_floor_executions=("unrolled",), **kwargs):
     """`largest_model` for recompute "never", "always" and "always" in
     segments of each of `segment_layers` layers, under `measure`'s budget;
-    parameter ratios to never."""
+    parameter ratios to never.
+
+    `host_floor_ratio` > 0 (measure "process" only): also `host_floor` of
+    the smallest model with that many times never's parameters (the goal's
+    model), in `host_floor_executions`, under "host_floor"."""
     _check_measure(measure)
     runtime = {"peak_mib": 0.0}  # "tensors": the budget is absolute
     if measure == "process":
@@ -448,7 +482,14 @@ def capacity(budget_mib, width, batch, num_microbatches, steps=1, log=print,
              for name, r, n in modes}
     never, always = found["never"]["params"], found["always"]["params"]
     ratios = {name: found[name]["params"] / never if never else None for name, _, _ in modes}
-    return {"budget_mib": budget_mib, "runtime_mib": runtime["peak_mib"], "measure": measure,
+    floor = None
+    if measure == "process" and host_floor_ratio and never:
+        floor = host_floor(layers_for_params(host_floor_ratio * never, width), width,
+                           num_microbatches, runtime["peak_mib"], budget_mib,
+                           segment_layers=segment_layers, executions=host_floor_executions,
+                           log=log)
+        floor["ratio"] = host_floor_ratio
+    return {"host_floor": floor, "budget_mib": budget_mib, "runtime_mib": runtime["peak_mib"], "measure": measure,
             "model": {"width": width, "batch": batch, "num_microbatches": num_microbatches,
                       "num_devices": 1, "steps": steps,
                       "description": f"{IN_WIDTH} -> L x Dense({width}, relu) -> "
@@ -456,6 +497,68 @@ def capacity(budget_mib, width, batch, num_microbatches, steps=1, log=print,
                                      f"M={num_microbatches}, K=1"},
             "never": found["never"], "always": found["always"], "modes": found,
             "ratios": ratios, "ratio": always / never if never else None}
+
+
+# -- what the host pays before any activation ---------------------------------------
+
+
+def layers_for_params(target, width):
+    """The fewest layers whose model (`params`) has at least `target` parameters."""
+    layers = 1
+    while params(layers, width) < target:
+        layers += 1
+    return layers
+
+
+def host_floor(layers, width, num_microbatches, runtime_mib, budget_mib, segment_layers=(),
+               executions=("unrolled",), batch=HOST_FLOOR_BATCH, log=print):
+    """The process peak above the runtime of a `layers`-layer model stepped
+    on `batch` rows, for plain Keras and for each recompute mode of the
+    capacity search in each of `executions`: one fresh child per row.
+
+    At 64 rows a layer's activations are 64 x width x 4 B (32 KiB at width
+    128), so the peak is what the host pays for the model itself: Keras'
+    layers and variables, Adam's slots and per-variable update ops, the
+    traced graph, its optimisation and the executor. Where that exceeds
+    `budget_mib`, no re-materialisation fits the model under the process
+    measure, whatever the batch. Rows: name, execution, peak_mib (above
+    `runtime_mib`), fits (<= budget_mib).
+    """
+    configs = [("plain Keras", None, dict(plain=True))]
+    for execution in executions:
+        configs += [("never", execution, dict(recompute="never")),
+                    ("always", execution, dict(recompute="always"))]
+        configs += [(f"always/segments of {n}", execution,
+                     dict(recompute="always", segment_layers=n)) for n in segment_layers]
+    rows = []
+    for name, execution, kwargs in configs:
+        result = run_memory(layers=layers, width=width, batch=batch,
+                            num_microbatches=num_microbatches, steps=1,
+                            **(dict(execution=execution) if execution else {}), **kwargs)
+        peak = None if "error" in result else result["peak_mib"] - runtime_mib
+        rows.append({"name": name, "execution": execution, "peak_mib": peak,
+                     "fits": peak is not None and peak <= budget_mib,
+                     "trace_mib": result.get("trace_mib"),
+                     "error": (str(result["error"]).strip().splitlines()[-1]
+                               if "error" in result else None)})
+        log(f"  host floor: {name:<24} {execution or '':<16} L={layers} batch={batch}: "
+            f"{common.fmt(peak, 1)} MiB above the runtime (budget {budget_mib})"
+            + (f" ({rows[-1]['error']})" if rows[-1]["error"] else ""))
+    return {"layers": layers, "params": params(layers, width), "batch": batch,
+            "budget_mib": budget_mib, "rows": rows}
+
+
+def host_floor_table(floor):
+    """Markdown: one row per model of `host_floor`."""
+    body = [[r["name"], r["execution"] or "-", str(floor["layers"]),
+             f"{floor['params'] / 1e6:.3f}M", common.fmt(r["peak_mib"], 1),
+             common.fmt(r["trace_mib"], 1),
+             ("yes" if r["fits"] else "no") + (f" ({r['error']})" if r["error"] else "")]
+            for r in floor["rows"]]
+    return common.markdown_table(
+        ["model", "execution", "layers", "parameters",
+         f"process peak above runtime, batch {floor['batch']} (MiB)", "trace MiB",
+         f"within {floor['budget_mib']} MiB"], body)
 
 
 def capacity_table(result):
@@ -493,6 +596,18 @@ def parse_measures(text):
     return measures
 
 
+def parse_executions(text):
+    """--host_floor_executions's value, e.g. "unrolled,stage_functions" -> a
+    list; a ValueError names an execution the benchmark does not step."""
+    executions = [e.strip() for e in str(text).split(",") if e.strip()]
+    bad = [e for e in executions if e not in HOST_FLOOR_EXECUTIONS]
+    if bad or not executions:
+        raise ValueError(f"--host_floor_executions={text!r}: expected a comma-separated "
+                         f"subset of {HOST_FLOOR_EXECUTIONS}, e.g. "
+                         f"--host_floor_executions=unrolled,stage_functions.")
+    return executions
+
+
 def main(argv):
     from absl import app  # pylint: disable=import-outside-toplevel
     from absl import flags  # pylint: disable=import-outside-toplevel
@@ -501,6 +616,7 @@ def main(argv):
     f = flags.FLAGS
     try:
         measures = parse_measures(f.capacity_measure)
+        executions = parse_executions(f.host_floor_executions)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     start = time.perf_counter()
@@ -516,8 +632,12 @@ def main(argv):
         for measure in measures:
             caps[measure] = capacity(f.budget_mib, f.capacity_width, f.capacity_batch,
                                      f.capacity_microbatches, measure=measure,
-                                     segment_layers=common.parse_ints(f.segment_layers))
+                                     segment_layers=common.parse_ints(f.segment_layers),
+                                     host_floor_ratio=f.host_floor_ratio,
+                                     host_floor_executions=executions)
             print(capacity_table(caps[measure]))
+            if caps[measure].get("host_floor"):
+                print(host_floor_table(caps[measure]["host_floor"]))
     out = common.write_json(f.out, {"machine": info, "memory": grid,
                                     "capacity": caps.get("process"),
                                     "capacity_by_measure": caps,
@@ -550,6 +670,12 @@ def _define_flags():
     flags.DEFINE_string("segment_layers", "4,8",
                         "Capacity search: also recompute in segments of these many layers "
                         "(tfpipe.schedules.Segmented; empty: skip).")
+    flags.DEFINE_float("host_floor_ratio", 4.0,
+                       "Process capacity search: also measure what the host pays for the "
+                       "model with this many times never's parameters at 64 rows, before "
+                       "any activation (0: skip).")
+    flags.DEFINE_string("host_floor_executions", "unrolled",
+                        f"Executions of the host-floor rows ({','.join(HOST_FLOOR_EXECUTIONS)}).")
     flags.DEFINE_string("out", str(common.RESULTS_DIR / "memory.json"), "JSON output.")
 
 

@@ -209,6 +209,102 @@ def test_capacity_table_names_what_the_budget_holds(measure, header):
     assert "| always | >= 12 |" in table and "| >= 4.50 |" in table
 
 
+@pytest.mark.parametrize("target, layers", [
+    (0, 1), (memory.params(10, 8), 10), (memory.params(10, 8) + 1, 11),
+    (4 * memory.params(33, 128), 131),  # the process search's goal model (never: 33)
+])
+def test_layers_for_params_is_the_fewest_with_that_many(target, layers):
+    assert memory.layers_for_params(target, 8 if target < 10**5 else 128) == layers
+
+
+def _fake_children(monkeypatch, runtime_mib=500.0, per_layer_mib=3.0):
+    """run_memory and the runtime child as numbers: the host pays
+    `per_layer_mib` per layer (plain Keras 1.5x that), activations 1 MiB per
+    layer per 64 rows."""
+    calls = []
+
+    def fake_run_memory(layers, batch, plain=False, rss_limit_mib=None, **kwargs):
+        calls.append(dict(kwargs, layers=layers, batch=batch, plain=plain))
+        host = per_layer_mib * layers * (1.5 if plain else 1.0)
+        process = runtime_mib + host + layers * batch / 64
+        if rss_limit_mib is not None and process > rss_limit_mib:
+            return {"error": "rss_limit"}
+        return {"peak_mib": process, "trace_mib": host / 2}
+
+    monkeypatch.setattr(memory, "run_memory", fake_run_memory)
+    monkeypatch.setattr(common, "run_child", lambda *a, **k: {"peak_mib": runtime_mib})
+    return calls
+
+
+def test_host_floor_is_each_models_peak_above_the_runtime_at_64_rows(monkeypatch):
+    calls = _fake_children(monkeypatch)
+    floor = memory.host_floor(40, width=8, num_microbatches=4, runtime_mib=500.0,
+                              budget_mib=150, segment_layers=(8,),
+                              executions=("unrolled", "stage_functions"), log=lambda *_: None)
+    rows = [(r["name"], r["execution"], r["peak_mib"], r["fits"]) for r in floor["rows"]]
+    # 3 MiB per layer (4.5 plain) + 1 MiB per layer of activations at 64 rows
+    assert rows == [("plain Keras", None, 220.0, False)] + [
+        (name, execution, 160.0, False) for execution in ("unrolled", "stage_functions")
+        for name in ("never", "always", "always/segments of 8")]
+    assert {c["batch"] for c in calls} == {memory.HOST_FLOOR_BATCH}
+    assert [c.get("execution") for c in calls] == [None] + ["unrolled"] * 3 + [
+        "stage_functions"] * 3
+    assert [c["plain"] for c in calls] == [True] + [False] * 6
+    assert calls[3]["segment_layers"] == 8 and calls[3]["recompute"] == "always"
+    table = memory.host_floor_table(floor)
+    assert "| plain Keras | - | 40 |" in table and "| 220.0 | 90.0 | no |" in table
+    assert "within 150 MiB" in table.splitlines()[0]
+
+
+@pytest.mark.parametrize("measure, ratio, floor_layers", [
+    ("process", 4, memory.layers_for_params(4 * memory.params(10, 8), 8)),
+    ("process", 0, None),   # not asked for
+    ("tensors", 4, None),   # the tensor measure has no host to pay for
+])
+def test_capacity_measures_the_host_floor_of_the_goal_model(monkeypatch, measure, ratio,
+                                                            floor_layers):
+    _fake_children(monkeypatch, per_layer_mib=3.0)
+    # process: 3 + 1024 / 64 = 19 MiB per layer against 190 MiB -> never fits 10 layers
+    result = memory.capacity(190, width=8, batch=1024, num_microbatches=4, measure=measure,
+                             host_floor_ratio=ratio, log=lambda *_: None)
+    floor = result["host_floor"]
+    if floor_layers is None:
+        assert floor is None
+        return
+    assert result["never"]["layers"] == 10
+    assert floor["layers"] == floor_layers and floor["ratio"] == 4
+    assert floor["rows"][0] == dict(floor["rows"][0], name="plain Keras",
+                                    peak_mib=4.5 * floor_layers + floor_layers)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("unrolled", ["unrolled"]), ("unrolled, stage_functions", ["unrolled", "stage_functions"]),
+    ("loop", None), ("", None),
+])
+def test_host_floor_executions_flag_parses_or_names_the_choices(text, expected):
+    if expected is None:
+        with pytest.raises(ValueError, match=r"--host_floor_executions=.*"
+                                             r"\('unrolled', 'stage_functions'\)"):
+            memory.parse_executions(text)
+    else:
+        assert memory.parse_executions(text) == expected
+
+
+@pytest.mark.slow  # ~6-19 s each: a benchmark's own machinery, run in CI's slow step
+@pytest.mark.parametrize("plain, execution", [
+    (True, "unrolled"), (False, "unrolled"), (False, "stage_functions")])
+def test_memory_child_steps_plain_keras_and_the_pipelined_model_alike(plain, execution):
+    result = memory.run_memory(layers=4, width=16, batch=64, num_microbatches=4,
+                               recompute="always", steps=2, segment_layers=2,
+                               execution=execution, plain=plain)
+    assert "error" not in result, result.get("stderr_tail")
+    assert result["params"] == memory.params(4, 16)
+    assert result["config"]["plain"] is plain
+    assert result["peak_mib"] > result["runtime_mib"] > 0
+    assert result["trace_mib"] is not None and result["run_mib"] is not None
+    assert 0.0 < result["loss"] < 10.0
+
+
 @pytest.mark.slow  # ~6-19 s each: a benchmark's own machinery, run in CI's slow step
 def test_run_suite_memory_in_children(tmp_path):
     build_md = tmp_path / "BUILD.md"
