@@ -385,7 +385,7 @@ def plot_memory(grid, path, title=""):
 
 def largest_model(recompute, budget_mib, runtime_mib, width, batch, num_microbatches,
                   start=(4, 8), max_layers=512, steps=1, log=print, segment_layers=0,
-                  measure="process"):
+                  measure="process", execution="unrolled"):
     """The most layers whose child peak stays <= the cap.
 
     measure "process": the child's peak resident set against runtime_mib +
@@ -410,6 +410,7 @@ def largest_model(recompute, budget_mib, runtime_mib, width, batch, num_microbat
         result = run_memory(layers=layers, width=width, batch=batch,
                             num_microbatches=num_microbatches, recompute=recompute,
                             steps=steps, segment_layers=segment_layers, measure=measure,
+                            execution=execution,
                             rss_limit_mib=cap if measure == "process" else None)
         if "error" not in result and result.get(peak_key) is None:
             result = {"error": f"the child reported no {peak_key} (allocator statistics "
@@ -422,7 +423,8 @@ def largest_model(recompute, budget_mib, runtime_mib, width, batch, num_microbat
                        "error": (str(result["error"]).strip().splitlines()[-1]
                                  if "error" in result else None),
                        "child_wall_s": result.get("child_wall_s")})
-        log(f"  {measure}: recompute={recompute:<6} segments of {segment_layers or 'all'} "
+        log(f"  {measure}: {execution} recompute={recompute:<6} "
+            f"segments of {segment_layers or 'all'} "
             f"layers={layers:<4} peak "
             f"{common.fmt(result.get(peak_key), 1)} MiB (cap {cap:.0f}) -> "
             f"{'fits' if fits else 'does not fit'}"
@@ -451,7 +453,7 @@ def largest_model(recompute, budget_mib, runtime_mib, width, batch, num_microbat
         else:
             hi = guess
     return {"recompute": recompute, "segment_layers": segment_layers, "measure": measure,
-            "layers": lo, "params": params(lo, width),
+            "execution": execution, "layers": lo, "params": params(lo, width),
             "at_search_limit": lo >= max_layers,  # then `layers` is a lower bound
             "cap_mib": cap, "budget_mib": budget_mib, "probes": probes,
             "peak_mib_at_layers": points.get(lo)}
@@ -492,6 +494,7 @@ def capacity(budget_mib, width, batch, num_microbatches, steps=1, log=print,
     return {"host_floor": floor, "budget_mib": budget_mib, "runtime_mib": runtime["peak_mib"], "measure": measure,
             "model": {"width": width, "batch": batch, "num_microbatches": num_microbatches,
                       "num_devices": 1, "steps": steps,
+                      "execution": kwargs.get("execution", "unrolled"),
                       "description": f"{IN_WIDTH} -> L x Dense({width}, relu) -> "
                                      f"Dense({OUT_WIDTH}), Adam, batch {batch}, "
                                      f"M={num_microbatches}, K=1"},
@@ -596,15 +599,16 @@ def parse_measures(text):
     return measures
 
 
-def parse_executions(text):
-    """--host_floor_executions's value, e.g. "unrolled,stage_functions" -> a
-    list; a ValueError names an execution the benchmark does not step."""
+def parse_executions(text, flag="--host_floor_executions", most=None):
+    """An executions flag's value, e.g. "unrolled,stage_functions" -> a list
+    of at most `most`; a ValueError names the flag and the choices."""
     executions = [e.strip() for e in str(text).split(",") if e.strip()]
     bad = [e for e in executions if e not in HOST_FLOOR_EXECUTIONS]
-    if bad or not executions:
-        raise ValueError(f"--host_floor_executions={text!r}: expected a comma-separated "
-                         f"subset of {HOST_FLOOR_EXECUTIONS}, e.g. "
-                         f"--host_floor_executions=unrolled,stage_functions.")
+    if bad or not executions or (most and len(executions) > most):
+        many = "one" if most == 1 else "a comma-separated subset"
+        raise ValueError(f"{flag}={text!r}: expected {many} of {HOST_FLOOR_EXECUTIONS}, "
+                         f"e.g. {flag}=" + ("stage_functions." if most == 1 else
+                                            "unrolled,stage_functions."))
     return executions
 
 
@@ -617,6 +621,7 @@ def main(argv):
     try:
         measures = parse_measures(f.capacity_measure)
         executions = parse_executions(f.host_floor_executions)
+        parse_executions(f.capacity_execution, "--capacity_execution", most=1)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     start = time.perf_counter()
@@ -634,7 +639,8 @@ def main(argv):
                                      f.capacity_microbatches, measure=measure,
                                      segment_layers=common.parse_ints(f.segment_layers),
                                      host_floor_ratio=f.host_floor_ratio,
-                                     host_floor_executions=executions)
+                                     host_floor_executions=executions,
+                                     execution=f.capacity_execution)
             print(capacity_table(caps[measure]))
             if caps[measure].get("host_floor"):
                 print(host_floor_table(caps[measure]["host_floor"]))
@@ -670,6 +676,9 @@ def _define_flags():
     flags.DEFINE_string("segment_layers", "4,8",
                         "Capacity search: also recompute in segments of these many layers "
                         "(tfpipe.schedules.Segmented; empty: skip).")
+    flags.DEFINE_string("capacity_execution", "unrolled",
+                        f"Capacity search: the execution of every probe (one of "
+                        f"{','.join(HOST_FLOOR_EXECUTIONS)}).")
     flags.DEFINE_float("host_floor_ratio", 4.0,
                        "Process capacity search: also measure what the host pays for the "
                        "model with this many times never's parameters at 64 rows, before "

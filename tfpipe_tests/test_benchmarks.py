@@ -263,10 +263,14 @@ def test_host_floor_is_each_models_peak_above_the_runtime_at_64_rows(monkeypatch
 ])
 def test_capacity_measures_the_host_floor_of_the_goal_model(monkeypatch, measure, ratio,
                                                             floor_layers):
-    _fake_children(monkeypatch, per_layer_mib=3.0)
+    calls = _fake_children(monkeypatch, per_layer_mib=3.0)
     # process: 3 + 1024 / 64 = 19 MiB per layer against 190 MiB -> never fits 10 layers
     result = memory.capacity(190, width=8, batch=1024, num_microbatches=4, measure=measure,
-                             host_floor_ratio=ratio, log=lambda *_: None)
+                             host_floor_ratio=ratio, log=lambda *_: None,
+                             execution="stage_functions")
+    # every probe of the search steps the execution asked for
+    assert {c["execution"] for c in calls if c["batch"] == 1024} == {"stage_functions"}
+    assert result["model"]["execution"] == result["never"]["execution"] == "stage_functions"
     floor = result["host_floor"]
     if floor_layers is None:
         assert floor is None
@@ -277,17 +281,22 @@ def test_capacity_measures_the_host_floor_of_the_goal_model(monkeypatch, measure
                                     peak_mib=4.5 * floor_layers + floor_layers)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("unrolled", ["unrolled"]), ("unrolled, stage_functions", ["unrolled", "stage_functions"]),
-    ("loop", None), ("", None),
+@pytest.mark.parametrize("text, flag, most, expected", [
+    ("unrolled", "--host_floor_executions", None, ["unrolled"]),
+    ("unrolled, stage_functions", "--host_floor_executions", None,
+     ["unrolled", "stage_functions"]),
+    ("loop", "--host_floor_executions", None, "a comma-separated subset of"),
+    ("", "--host_floor_executions", None, "a comma-separated subset of"),
+    ("stage_functions", "--capacity_execution", 1, ["stage_functions"]),
+    ("unrolled,stage_functions", "--capacity_execution", 1, "one of"),
 ])
-def test_host_floor_executions_flag_parses_or_names_the_choices(text, expected):
-    if expected is None:
-        with pytest.raises(ValueError, match=r"--host_floor_executions=.*"
+def test_executions_flags_parse_or_name_the_flag_and_the_choices(text, flag, most, expected):
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=rf"{flag}=.*expected {expected} "
                                              r"\('unrolled', 'stage_functions'\)"):
-            memory.parse_executions(text)
+            memory.parse_executions(text, flag, most)
     else:
-        assert memory.parse_executions(text) == expected
+        assert memory.parse_executions(text, flag, most) == expected
 
 
 @pytest.mark.slow  # ~6-19 s each: a benchmark's own machinery, run in CI's slow step
