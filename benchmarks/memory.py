@@ -46,7 +46,14 @@ killed early); or "tensors", the peak of live tensors in TensorFlow's CPU
 allocator: what an accelerator would hold, without the host's graph.
 Reported: layers, parameters, and the always / never parameter ratio: the
 analogue of GPipe's 82M -> 318M parameters on one accelerator with
-re-materialisation.
+re-materialisation. `--capacity_execution` steps every probe in another
+execution.
+
+Host floor (after a process search; `--host_floor_ratio`): the smallest model
+with that many times never's parameters, stepped on 64 rows, for plain Keras
+and each recompute mode: what the host pays for the model before its batch
+holds anything. Above the budget, no re-materialisation fits that model under
+the process measure.
 
     python -m benchmarks.memory                              # ~3-6 min on 2 cores
     python -m benchmarks.memory --microbatches= --capacity_measure=tensors
