@@ -159,6 +159,15 @@ def schedules_module():
 # -- child processes -------------------------------------------------------------
 
 
+def error_line(result):
+    """The last line of a child's "error" (its exception's message), or None
+    where the child succeeded."""
+    if "error" not in result:
+        return None
+    lines = str(result["error"]).strip().splitlines()
+    return lines[-1] if lines else ""
+
+
 def run_child(target, kwargs=None, *, intra_op=1, inter_op=1, devices=1, timeout=1200,
               rss_limit_mib=None, env=None):
     """Runs `target(**kwargs)` in a fresh Python process; returns its dict.

@@ -116,7 +116,7 @@ def grid(microbatches, executions, stages=4, batch=32, steps=8, onednn=("default
             setting_rows.append(row)
             log(f"{execution:<9} M={m:<3} oneDNN {setting:<7} first fit "
                 f"{common.fmt(row['first_fit_s'], 1)} s  step {common.fmt(row['step_ms'], 0)} ms"
-                + (f"  ERROR {str(result['error']).strip().splitlines()[-1]}"
+                + (f"  ERROR {common.error_line(result)}"
                    if "error" in result else ""))
         plain = setting_rows[0]["first_fit_s"]
         for row in setting_rows:

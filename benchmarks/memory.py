@@ -336,7 +336,7 @@ def memory_grid(layers, width, batch, microbatches=(1, 4, 16), recompute=RECOMPU
 def _memory_line(row):
     if row["step_mib"] is None:
         return (f"recompute={row['recompute']:<12} M={row['num_microbatches']:<3} ERROR "
-                f"{str(row['result'].get('error')).strip().splitlines()[-1]}")
+                f"{common.error_line(row['result'])}")
     return (f"recompute={row['recompute']:<12} M={row['num_microbatches']:<3} step "
             f"{row['step_mib']:7.1f} MiB  execution {common.fmt(row['run_mib'], 1):>7} MiB "
             f"(GPipe model {common.fmt(row['predicted_run_mib'], 1)})  trace "
@@ -427,8 +427,7 @@ def largest_model(recompute, budget_mib, runtime_mib, width, batch, num_microbat
             points[layers] = result[peak_key]
         probes.append({"layers": layers, "fits": fits, "peak_mib": result.get(peak_key),
                        "process_peak_mib": result.get("peak_mib"),
-                       "error": (str(result["error"]).strip().splitlines()[-1]
-                                 if "error" in result else None),
+                       "error": common.error_line(result),
                        "child_wall_s": result.get("child_wall_s")})
         log(f"  {measure}: {execution} recompute={recompute:<6} "
             f"segments of {segment_layers or 'all'} "
@@ -467,11 +466,11 @@ def largest_model(recompute, budget_mib, runtime_mib, width, batch, num_microbat
 
 
 def capacity(budget_mib, width, batch, num_microbatches, steps=1, log=print,
-             segment_layers=(), measure="process", host_floor_ratio=0,
-             host_floor_executions=("unrolled",), **kwargs):
+             segment_layers=(), measure="process", execution="unrolled",
+             host_floor_ratio=0, host_floor_executions=("unrolled",), **kwargs):
     """`largest_model` for recompute "never", "always" and "always" in
     segments of each of `segment_layers` layers, under `measure`'s budget;
-    parameter ratios to never.
+    parameter ratios to never. Every probe runs `execution`.
 
     `host_floor_ratio` > 0 (measure "process" only): also `host_floor` of
     the smallest model with that many times never's parameters (the goal's
@@ -487,7 +486,7 @@ def capacity(budget_mib, width, batch, num_microbatches, steps=1, log=print,
         (f"always/segments of {n}", "always", n) for n in segment_layers]
     found = {name: largest_model(r, budget_mib, runtime["peak_mib"], width, batch,
                                  num_microbatches, steps=steps, log=log, segment_layers=n,
-                                 measure=measure, **kwargs)
+                                 measure=measure, execution=execution, **kwargs)
              for name, r, n in modes}
     never, always = found["never"]["params"], found["always"]["params"]
     ratios = {name: found[name]["params"] / never if never else None for name, _, _ in modes}
@@ -498,15 +497,16 @@ def capacity(budget_mib, width, batch, num_microbatches, steps=1, log=print,
                            segment_layers=segment_layers, executions=host_floor_executions,
                            log=log)
         floor["ratio"] = host_floor_ratio
-    return {"host_floor": floor, "budget_mib": budget_mib, "runtime_mib": runtime["peak_mib"], "measure": measure,
+    return {"budget_mib": budget_mib, "runtime_mib": runtime["peak_mib"], "measure": measure,
             "model": {"width": width, "batch": batch, "num_microbatches": num_microbatches,
                       "num_devices": 1, "steps": steps,
-                      "execution": kwargs.get("execution", "unrolled"),
+                      "execution": execution,
                       "description": f"{IN_WIDTH} -> L x Dense({width}, relu) -> "
                                      f"Dense({OUT_WIDTH}), Adam, batch {batch}, "
                                      f"M={num_microbatches}, K=1"},
             "never": found["never"], "always": found["always"], "modes": found,
-            "ratios": ratios, "ratio": always / never if never else None}
+            "ratios": ratios, "ratio": always / never if never else None,
+            "host_floor": floor}
 
 
 # -- what the host pays before any activation ---------------------------------------
@@ -549,8 +549,7 @@ def host_floor(layers, width, num_microbatches, runtime_mib, budget_mib, segment
         rows.append({"name": name, "execution": execution, "peak_mib": peak,
                      "fits": peak is not None and peak <= budget_mib,
                      "trace_mib": result.get("trace_mib"),
-                     "error": (str(result["error"]).strip().splitlines()[-1]
-                               if "error" in result else None)})
+                     "error": common.error_line(result)})
         log(f"  host floor: {name:<24} {execution or '':<16} L={layers} batch={batch}: "
             f"{common.fmt(peak, 1)} MiB above the runtime (budget {budget_mib})"
             + (f" ({rows[-1]['error']})" if rows[-1]["error"] else ""))

@@ -98,7 +98,7 @@ def run_overhead(config, log=print):
         log(f"plain {result['plain_step_ms']:.3f} ms, tfpipe {result['tfpipe_step_ms']:.3f} ms,"
             f" ratio {result['ratio']:.3f}")
     else:
-        log(f"overhead ERROR {str(result['error']).strip().splitlines()[-1]}")
+        log(f"overhead ERROR {common.error_line(result)}")
     return result
 
 
@@ -138,7 +138,7 @@ def throughput_table(rows):
 
 def overhead_table(result):
     if "error" in result:
-        return f"overhead run failed: {str(result['error']).strip().splitlines()[-1]}"
+        return f"overhead run failed: {common.error_line(result)}"
     return common.markdown_table(
         ["plain step", "tfpipe step", "ratio tfpipe / plain", "goal"],
         [[f"{result['plain_step_ms']:.2f} ms", f"{result['tfpipe_step_ms']:.2f} ms",

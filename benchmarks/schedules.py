@@ -396,7 +396,7 @@ def _speedup_line(row):
     r = row["result"]
     if "error" in r:
         return (f"K={row['num_devices']} M={row['num_microbatches']:<3} "
-                f"{row['schedule']:<11} ERROR {r['error'].strip().splitlines()[-1]}")
+                f"{row['schedule']:<11} ERROR {common.error_line(r)}")
     return (f"K={row['num_devices']} M={row['num_microbatches']:<3} {row['schedule']:<11} "
             f"{row.get('execution', 'unrolled'):<8} plain {r['plain']['step_ms']:8.1f} ms  tfpipe {r['tfpipe']['step_ms']:8.1f} ms  "
             f"speed-up {row['speedup']:.2f} (ideal {row['ideal']:.2f}, sim {row['ideal_sim']:.2f})"
@@ -407,7 +407,7 @@ def _speedup_line(row):
 def _trace_line(row):
     if row["trace_s"] is None:
         return (f"K={row['num_devices']} M={row['num_microbatches']:<3} {row['execution']:<8} "
-                f"ERROR {str(row['result'].get('error')).strip().splitlines()[-1]}")
+                f"ERROR {common.error_line(row['result'])}")
     return (f"K={row['num_devices']} M={row['num_microbatches']:<3} {row['execution']:<8} "
             f"trace {row['trace_s']:6.2f} s  first call {row['first_call_s']:6.2f} s  "
             f"ops {row['ops']:6d} (with function bodies {row['ops_total']:6d})")

@@ -209,6 +209,16 @@ def test_capacity_table_names_what_the_budget_holds(measure, header):
     assert "| always | >= 12 |" in table and "| >= 4.50 |" in table
 
 
+@pytest.mark.parametrize("result, line", [
+    ({"error": "Traceback (most recent call last):\n  ...\nValueError: 3 layers\n"},
+     "ValueError: 3 layers"),
+    ({"error": "rss_limit", "rss_limit_mib": 900}, "rss_limit"),
+    ({"peak_mib": 1.0}, None),  # the child succeeded
+])
+def test_a_childs_error_line_is_its_last_line(result, line):
+    assert common.error_line(result) == line
+
+
 @pytest.mark.parametrize("target, layers", [
     (0, 1), (memory.params(10, 8), 10), (memory.params(10, 8) + 1, 11),
     (4 * memory.params(33, 128), 131),  # the process search's goal model (never: 33)
