@@ -185,17 +185,29 @@ _QUIET_IMPORT = ("import sys; from launch import train\n"
                  "sys.stderr.write('imported\\n')\n")
 
 
+_PLAIN_IMPORT = "import sys\nimport tensorflow\nsys.stderr.write('imported\\n')\n"
+_BANNERS = ("oneDNN custom operations are on", "absl::InitializeLog()")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("env, banners", [
-    ({}, 0),  # launch.train sets TF_CPP_MIN_LOG_LEVEL=2
-    ({"TF_CPP_MIN_LOG_LEVEL": "1"}, 0),
-    ({"TF_CPP_MIN_LOG_LEVEL": "0"}, 2),  # asked for everything: what TensorFlow prints
+@pytest.mark.parametrize("env, quiet", [
+    ({}, True),  # launch.train sets TF_CPP_MIN_LOG_LEVEL=2
+    ({"TF_CPP_MIN_LOG_LEVEL": "1"}, True),
+    # Asked for everything: what TensorFlow itself prints on this machine (the
+    # oneDNN banner only where TF turns oneDNN on by default: an Intel Xeon, not
+    # the AMD EPYC of 2026-12-05).
+    ({"TF_CPP_MIN_LOG_LEVEL": "0"}, False),
 ], ids=["unset", "1", "0"])
-def test_tensorflow_starts_quietly_under_launch_train(env, banners):
+def test_tensorflow_starts_quietly_under_launch_train(env, quiet):
     proc = _python(["-c", _QUIET_IMPORT], env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stderr.count("oneDNN custom operations are on") == banners
-    assert proc.stderr.count("absl::InitializeLog()") == banners
+    expected = {banner: 0 for banner in _BANNERS}
+    if not quiet:
+        plain = _python(["-c", _PLAIN_IMPORT], env=env)
+        assert plain.returncode == 0, plain.stderr[-3000:]
+        expected = {banner: plain.stderr.count(banner) for banner in _BANNERS}
+        assert expected["absl::InitializeLog()"] >= 1  # TF did print at level 0
+    assert {banner: proc.stderr.count(banner) for banner in _BANNERS} == expected
     assert proc.stderr.endswith("imported\n")
 
 
