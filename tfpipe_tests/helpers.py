@@ -8,6 +8,7 @@ import sys
 
 import keras
 import numpy as np
+import pytest
 
 import tfpipe
 
@@ -93,6 +94,49 @@ def assert_same_predictions(ours, theirs):
     earlier runs they were equal.
     """
     np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+# -- which rows of a table the default suite runs -----------------------------------
+
+
+def _values(value):
+    return value if isinstance(value, tuple) else (value,)
+
+
+def taking_turns(first, second, first_ids=None, second_ids=None):
+    """The rows of `first` x `second` for `pytest.mark.parametrize`, with the default
+    suite running max(len(first), len(second)) of them: row i pairs first[i % len]
+    with second[i % len], so each value of both axes runs at least once. The other
+    pairs are marked slow: CI's slow step runs the whole product. A value that is a
+    tuple fills several arguments (e.g. "execution, recompute").
+
+    Ids are "<first id>-<second id>", from `first_ids`/`second_ids` where given,
+    otherwise pytest's own ids of the values (what stacked parametrize gave).
+    """
+    first_ids = first_ids or [None] * len(first)
+    second_ids = second_ids or [None] * len(second)
+    default = {(i % len(first), i % len(second))
+               for i in range(max(len(first), len(second)))}
+    rows = []
+    for a, (value_a, id_a) in enumerate(zip(first, first_ids)):
+        for b, (value_b, id_b) in enumerate(zip(second, second_ids)):
+            ids = None
+            if id_a is not None or id_b is not None:
+                ids = "-".join(str(i) if i is not None else "-".join(map(str, _values(v)))
+                               for i, v in ((id_a, value_a), (id_b, value_b)))
+            rows.append(pytest.param(*_values(value_a), *_values(value_b), id=ids,
+                                     marks=() if (a, b) in default else pytest.mark.slow))
+    return rows
+
+
+def in_default_suite(values, default):
+    """The rows `values` for `pytest.mark.parametrize`, those not in `default` marked
+    slow (CI's slow step runs them)."""
+    missing = [v for v in default if v not in values]
+    if missing:
+        raise ValueError(f"default rows {missing} are not in the table {values}")
+    return [pytest.param(*_values(v), marks=() if v in default else pytest.mark.slow)
+            for v in values]
 
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
