@@ -109,16 +109,18 @@ def expected_update(model, x, m):
     return out
 
 
-@pytest.mark.parametrize("settings", [
+# Each setting once in the default suite, the batch sizes taking turns
+# (helpers.taking_turns); CI's slow step runs both sizes with every setting.
+@pytest.mark.parametrize("n, settings", helpers.taking_turns([16, 14], [
     dict(recompute="always"), dict(recompute="except_last"), dict(recompute="never"),
     dict(schedule="1f1b"), dict(execution="loop"),
     # Two stages, one holding two BatchNorm call sites: a stage commits
     # every call site it recorded, not only its first.
     dict(balance=(4, 4)), dict(balance=(4, 4), execution="stage_functions"),
     dict(balance=(4, 4), execution="loop"),
-], ids=["always", "except_last", "never", "1f1b", "loop", "two_sites_per_stage",
-        "two_sites_per_stage_functions", "two_sites_per_stage_loop"])
-@pytest.mark.parametrize("n", [16, 14])  # 14: micro-batches of 4, 4, 3, 3
+], second_ids=["always", "except_last", "never", "1f1b", "loop", "two_sites_per_stage",
+               "two_sites_per_stage_functions", "two_sites_per_stage_loop"]))
+# n=14: micro-batches of 4, 4, 3, 3
 def test_deferred_commits_whole_batch_statistics_once_per_step(settings, n):
     model = bn_net()
     x, y = _data(n)

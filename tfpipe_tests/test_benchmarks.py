@@ -70,7 +70,8 @@ def test_measure_step_in_process():
     json.dumps(result)  # what a child prints must be JSON
 
 
-@pytest.mark.parametrize("schedule, kinds", [("1f1b", {"F", "B"}), ("zbh1", {"F", "I", "W"})])
+@pytest.mark.parametrize("schedule, kinds", [
+    pytest.param("1f1b", {"F", "B"}, marks=pytest.mark.slow), ("zbh1", {"F", "I", "W"})])
 def test_measure_step_records_a_step_and_simulates_it_on_its_costs(schedule, kinds):
     result = schedules.measure_step(2, 2, schedule, batch=16, width=8, layers=2, warmup=1,
                                     repeats=1, steps=1, baselines=(), timeline=True)

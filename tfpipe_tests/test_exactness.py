@@ -25,8 +25,9 @@ def _train_both(make_layers, input_shape, data, m, mode, balance, batch_size=16,
     return ref, pipelined, h_ref.history, h_pipe.history
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("m", [1, 2, 4, 8])
+# Every M with every recompute mode: the default suite runs each M once, the modes
+# taking turns (helpers.taking_turns); CI's slow step runs all 12.
+@pytest.mark.parametrize("m, mode", helpers.taking_turns([1, 2, 4, 8], MODES))
 def test_mlp_matches_plain_keras(m, mode):
     # 80 rows / batch 16 = 5 Adam steps.
     ref, pipelined, h_ref, h_pipe = _train_both(
@@ -38,8 +39,7 @@ def test_mlp_matches_plain_keras(m, mode):
     np.testing.assert_allclose(h_pipe["mae"], h_ref["mae"], rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("m, mode", helpers.taking_turns([1, 2, 4, 8], MODES))
 def test_cnn_matches_plain_keras(m, mode):
     ref, pipelined, h_ref, h_pipe = _train_both(
         helpers.cnn_layers, (8, 8, 1), helpers.image_data(), m, mode, [1, 1, 1, 2],
@@ -51,7 +51,7 @@ def test_cnn_matches_plain_keras(m, mode):
     np.testing.assert_allclose(h_pipe["accuracy"], h_ref["accuracy"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", helpers.in_default_suite(MODES, default=["except_last"]))
 def test_sample_weights_and_ragged_last_batch(mode):
     # 70 rows, batch 16: the last batch has 6 rows, padded to 8 for M=4.
     x, y = helpers.regression_data(n=70)

@@ -80,7 +80,7 @@ def test_skip_tensors_cross_every_cut_they_span():
     assert pieces[0].inputs == graph.inputs and pieces[-1].outputs == graph.outputs
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", helpers.in_default_suite(MODES, default=["always"]))
 def test_dag_with_two_inputs_and_outputs_trains_like_keras(mode):
     ref = _dag()
     x, y = _dag_data()

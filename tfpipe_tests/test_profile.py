@@ -35,14 +35,22 @@ def _model(schedule, execution="unrolled", m=4):
     return model
 
 
-@pytest.mark.parametrize("schedule, execution", [
-    ("gpipe", "unrolled"), ("1f1b", "unrolled"), (schedules.Interleaved(2), "unrolled"),
+_INTERLEAVED = schedules.Interleaved(2)
+RECORDED = [
+    ("gpipe", "unrolled"), ("1f1b", "unrolled"), (_INTERLEAVED, "unrolled"),
     ("zbh1", "unrolled"), ("zbv", "unrolled"),
     # Stage functions (tfpipe's choice from M=8 on) stamp each call.
     ("gpipe", "stage_functions"), ("1f1b", "stage_functions"),
-    (schedules.Interleaved(2), "stage_functions"),
+    (_INTERLEAVED, "stage_functions"),
     # The loop form stamps its actions too (no barrier between ticks).
-    ("1f1b", "loop"), ("zbh1", "loop"), ("zbv", "loop")])
+    ("1f1b", "loop"), ("zbh1", "loop"), ("zbv", "loop")]
+
+
+# The default suite runs each execution once, and the split schedules (CI's slow
+# step runs every row).
+@pytest.mark.parametrize("schedule, execution", helpers.in_default_suite(RECORDED, default=[
+    ("zbv", "unrolled"), ("zbh1", "unrolled"), (_INTERLEAVED, "stage_functions"),
+    ("1f1b", "loop")]))
 def test_record_step_follows_the_schedule_and_changes_nothing(schedule, execution):
     model = _model(schedule, execution)
     x, y = helpers.regression_data(n=16)
@@ -75,7 +83,8 @@ def test_record_step_follows_the_schedule_and_changes_nothing(schedule, executio
     assert timeline.predicted_overlap_ms > 0.0  # M=4 on 2 devices: the schedule overlaps
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbh1", "zbv"])
+@pytest.mark.parametrize("schedule", helpers.in_default_suite(["1f1b", "zbh1", "zbv"],
+                                                              default=["zbh1"]))
 def test_record_step_with_one_stream_per_device(schedule):
     # The benchmarks' stream emulation (serialize_ops) chains each device's ops
     # in run order. A split W's weight half, made at I, waits for W's start

@@ -46,8 +46,9 @@ def _fit_both(ref, model, x, y, **fit_kwargs):
     return h_ref.history, h_pipe.history
 
 
-@pytest.mark.parametrize("execution, recompute", RUNS)
-@pytest.mark.parametrize("name", list(SCHEDULES))
+# Every schedule with every run: the default suite runs each schedule once, the runs
+# taking turns (helpers.taking_turns); CI's slow step runs all 30.
+@pytest.mark.parametrize("name, execution, recompute", helpers.taking_turns(list(SCHEDULES), RUNS))
 def test_mlp_matches_plain_keras(name, execution, recompute):
     x, y = helpers.regression_data(n=70)  # 4 full batches of 16 and a ragged 6
     sw = np.linspace(0.1, 2.0, 70).astype("float32")
@@ -65,10 +66,9 @@ def test_mlp_matches_plain_keras(name, execution, recompute):
                                ref.predict(x, batch_size=16, verbose=0), atol=1e-5)
 
 
-@pytest.mark.parametrize("execution, recompute", [("unrolled", "except_last"),
-                                                  ("stage_functions", "always"),
-                                                  ("loop", "always")])
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name, execution, recompute", helpers.taking_turns(
+    list(SCHEDULES), [("unrolled", "except_last"), ("stage_functions", "always"),
+                      ("loop", "always")]))
 def test_cnn_with_regulariser_matches_plain_keras(name, execution, recompute):
     def layers():
         return [keras.layers.Conv2D(4, 3, activation="relu", kernel_regularizer="l2"),
@@ -101,7 +101,8 @@ def _dropout_bn_model():
     ])
 
 
-@pytest.mark.parametrize("name", ["1f1b", "interleaved", "zbv"])
+@pytest.mark.parametrize("name", helpers.in_default_suite(["1f1b", "interleaved", "zbv"],
+                                                          default=["zbv"]))
 def test_loop_replays_dropout_masks_and_updates_batchnorm_once(name):
     # "never" keeps the forward's tapes: the reference for what a replay must
     # reproduce (same dropout masks, BatchNorm statistics updated once).
@@ -189,7 +190,8 @@ def test_stage_function_step_grows_by_bookkeeping_only(name, per_stage_and_micro
     assert (counts[8] - counts[4]) / (4 * stages) <= per_stage_and_microbatch, counts
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name", helpers.in_default_suite(list(SCHEDULES),
+                                                          default=["gpipe", "zbv"]))
 def test_loop_graph_does_not_grow_with_m_and_stays_on_stage_devices(name):
     counts = {}
     for execution, recompute in (("unrolled", "except_last"), ("loop", "always")):
