@@ -110,23 +110,27 @@ def taking_turns(first, second, first_ids=None, second_ids=None):
     pairs are marked slow: CI's slow step runs the whole product. A value that is a
     tuple fills several arguments (e.g. "execution, recompute").
 
-    Ids are "<first id>-<second id>", from `first_ids`/`second_ids` where given,
-    otherwise pytest's own ids of the values (what stacked parametrize gave).
+    Ids are "<first id>-<second id>" where `first_ids` or `second_ids` is given (a
+    value without one is named by its str), otherwise pytest's own ids of the
+    values (what stacked parametrize gave).
     """
-    first_ids = first_ids or [None] * len(first)
-    second_ids = second_ids or [None] * len(second)
     default = {(i % len(first), i % len(second))
                for i in range(max(len(first), len(second)))}
+    named = first_ids is not None or second_ids is not None
+    first_ids = first_ids or [None] * len(first)
+    second_ids = second_ids or [None] * len(second)
     rows = []
     for a, (value_a, id_a) in enumerate(zip(first, first_ids)):
         for b, (value_b, id_b) in enumerate(zip(second, second_ids)):
-            ids = None
-            if id_a is not None or id_b is not None:
-                ids = "-".join(str(i) if i is not None else "-".join(map(str, _values(v)))
-                               for i, v in ((id_a, value_a), (id_b, value_b)))
-            rows.append(pytest.param(*_values(value_a), *_values(value_b), id=ids,
-                                     marks=() if (a, b) in default else pytest.mark.slow))
+            rows.append(pytest.param(
+                *_values(value_a), *_values(value_b),
+                id=f"{_id(value_a, id_a)}-{_id(value_b, id_b)}" if named else None,
+                marks=() if (a, b) in default else pytest.mark.slow))
     return rows
+
+
+def _id(value, given):
+    return given if given is not None else "-".join(map(str, _values(value)))
 
 
 def in_default_suite(values, default):
