@@ -1,5 +1,6 @@
-"""How the suite is split: CI's two slow-test processes (`--shard=I/N`,
-tfpipe_tests/sharding.py) and the rows of a table the default suite runs
+"""How the suite is split: N pytest processes at once (`--shard=I/N`,
+tfpipe_tests/sharding.py; the runner `python -m tfpipe_tests.run`,
+tfpipe_tests/run.py) and the rows of a table the default suite runs
 (`helpers.taking_turns`, `helpers.in_default_suite`).
 
 Each `--shard` case runs a real pytest child on a small generated suite, with only the sharding
@@ -9,12 +10,15 @@ of a bad value.
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tfpipe_tests import helpers
+from tfpipe_tests import run as run_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -86,6 +90,117 @@ def test_a_bad_shard_stops_before_any_test_and_names_the_fix(tmp_path, value):
             "counted from 0, of N), e.g. --shard=0/2 and --shard=1/2 for two processes."
             ) in proc.stderr
     assert _passed(proc) == []
+
+
+# -- the runner: N pytest processes at once (tfpipe_tests/run.py) ------------------------
+
+def _runner(tmp_path, *args, suite=SUITE, **popen):
+    """`python -m tfpipe_tests.run <args>` on `suite`: the finished process, or
+    with `popen` keyword arguments the running one."""
+    (tmp_path / "test_suite.py").write_text(suite)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: heavy\n")
+    command = [sys.executable, "-m", "tfpipe_tests.run", *args, "-p", "tfpipe_tests.sharding",
+               "-p", "no:cacheprovider", "-v", str(tmp_path)]
+    if popen:
+        return subprocess.Popen(command, cwd=tmp_path, **popen)
+    return subprocess.run(command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.parametrize("args, expected", [
+    ((), ALL),
+    (("--processes=1",), ALL),
+    (("--processes=3",), ALL),
+    (("-m", "slow"), ["test_t1", "test_t4"]),
+    # More processes than tests: the empty shards' exit 5 is not the run's.
+    (("--processes=4", "-m", "slow"), ["test_t1", "test_t4"]),
+], ids=lambda v: " ".join(v) or "default" if isinstance(v, tuple) else None)
+def test_the_runner_runs_each_selected_test_once(tmp_path, args, expected):
+    proc = _runner(tmp_path, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(_passed(proc)) == sorted(expected)
+    processes = int(args[0].split("=")[1]) if args and "processes" in args[0] else 2
+    assert [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("== shard")
+            ] == [f"== shard {i}/{processes}" for i in range(processes)]
+
+
+@pytest.mark.parametrize("codes, status", [
+    ([0, 0], 0),
+    ([0, 5], 0),     # an empty shard beside one that ran tests
+    ([5, 5], 5),     # no test anywhere
+    ([0, 1], 1),     # a failure in any shard fails the run
+    ([5, 1], 1),
+    ([4, 0], 4),     # the first failure is the run's
+    ([2, 1], 2),
+])
+def test_combined_status(codes, status):
+    assert run_lib.combined_status(codes) == status
+
+
+def test_the_runner_fails_when_one_shard_fails_and_prints_its_log(tmp_path):
+    proc = _runner(tmp_path, suite=SUITE + "\ndef test_t6(): assert 1 == 2, 'the failure'\n")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the failure" in proc.stdout
+    assert "== tfpipe_tests.run: exit 1 (shards: [1, 0])" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--processes=0",), "--processes='0': expected a whole number of pytest processes >= 1, "
+                         "e.g. --processes=2."),
+    (("--processes=two",), "--processes='two': expected a whole number of pytest processes "
+                           ">= 1, e.g. --processes=2."),
+    (("--shard=0/2",), "--shard: the runner gives each process its own --shard; run "
+                       "`python -m pytest --shard=I/N` for one shard by hand."),
+])
+def test_the_runner_refuses_bad_arguments_naming_the_fix(tmp_path, args, message):
+    proc = _runner(tmp_path, *args)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert f"ERROR: {message}" in proc.stderr
+    assert _passed(proc) == []
+
+
+def test_terminating_the_runner_leaves_no_test_process_behind(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    suite = ("import os, pathlib, time\n"
+             "def test_waits():\n"
+             f"    pathlib.Path({str(pids)!r}, str(os.getpid())).touch()\n"
+             "    time.sleep(120)\n")
+    logs = tmp_path / "logs"  # the runner's temporary folder
+    logs.mkdir()
+    runner = _runner(tmp_path, suite=suite, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                     text=True, env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(logs)})
+    children = []
+    try:
+        deadline = time.monotonic() + 60
+        while not list(pids.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (child,) = children = [int(p.name) for p in pids.iterdir()]
+        runner.terminate()
+        output = runner.communicate(timeout=30)[0]
+        assert runner.returncode == 128 + signal.SIGTERM, output
+        # What the shards wrote before they were killed is printed, and removed.
+        assert "== shard 0/2: exit killed after" in output
+        assert "test_suite.py::test_waits" in output
+        assert list(logs.iterdir()) == []
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child)
+    finally:
+        runner.kill()
+        runner.wait()
+        for pid in children:  # only if the runner left it
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 # -- which rows of a table the default suite runs (helpers) -----------------------------
