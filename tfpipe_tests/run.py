@@ -2,10 +2,9 @@
 pytest processes at once.
 
 Process i runs `python -m pytest <arguments> --shard=i/N` (tfpipe_tests/sharding.py),
-so together they run each selected test once. Most tests keep one core busy
+so together they run each selected test once. Many tests keep one core busy
 (TensorFlow traces in Python), so on the 2-core machines CI runs on two processes
-finish the same tests in well under the time of one (BUILD.md, Tests, has the
-measured times).
+finish the same tests sooner than one (BUILD.md, Tests, has the measured times).
 
 Each process writes its own log; they are printed in shard order when all are done,
 each under a header with its exit status and minutes. The exit status is pytest's
@@ -45,7 +44,7 @@ def parse_args(argv):
     """(processes, the pytest arguments); raises SystemExit(4) naming the fix
     for a bad --processes or a --shard of the caller's own."""
     parser = argparse.ArgumentParser(
-        prog="python -m tfpipe_tests.run", add_help=False,
+        prog="python -m tfpipe_tests.run", add_help=False, allow_abbrev=False,
         description="Runs pytest as N processes at once, each on every N-th selected test.")
     parser.add_argument("--processes", default=str(DEFAULT_PROCESSES))
     known, rest = parser.parse_known_args(argv)
