@@ -56,6 +56,7 @@ core count, versions).
     python -m benchmarks.schedules --devices=2 --microbatches=1,8 --repeats=1 --steps=1
 """
 
+import json
 import os
 import pathlib
 import resource
@@ -319,7 +320,55 @@ def run_config(num_devices, num_microbatches, schedule="gpipe", timeout=1800, **
     row["ratio_to_bound"] = speedup / row["bound"] if speedup else None
     row["speedup_vs_threaded"] = (result.get("speedup") or {}).get("plain_threaded")
     row["result"] = result
+    row["ratio_factors"] = ratio_factors(row)
     return row
+
+
+def ratio_factors(row):
+    """A --timeline row's measured/ideal (`ratio_to_ideal`) as busy * rest,
+    rest = work * span; None without a recorded step.
+
+    - "busy": the recorded step's busy share (its actions' time per device,
+      below, over its span) over the schedule's simulated one (ideal_sim / K):
+      its bubble against the bubble it would have at the ideal costs. A ratio
+      within one step, so a uniformly slow recorded step does not move it.
+    - "rest": everything else, measured/ideal / busy.
+    - "work": the plain step over the recorded actions' time per device (every
+      stage's F + B per micro-batch, times M, over K devices). Below 1 when M
+      micro-batch actions cost more in sum than one plain step (smaller
+      matmuls); no schedule wins that back.
+    - "span": the recorded span (forward and backward) over the timed step
+      (which adds the update). One recorded step against the median of runs:
+      when it ran slow, "span" is high and "work" low by the same factor, so
+      read "work" only where "span" is near 1.
+    """
+    recorded = row.get("result", {}).get("timeline")
+    if not recorded or not row.get("ratio_to_ideal"):
+        return None
+    k, m = row["num_devices"], row["num_microbatches"]
+    stage_ms = recorded["stage_ms"]
+    work_per_device = m * (sum(stage_ms["forward"]) + sum(stage_ms["backward"])) / k
+    plain_ms = row["result"]["plain"]["step_ms"]
+    step_ms = row["result"]["tfpipe"]["step_ms"]
+    work = plain_ms / (k * work_per_device)
+    span = recorded["span_ms"] / step_ms
+    return {"busy": (work_per_device / recorded["span_ms"]) / (row["ideal_sim"] / k),
+            "rest": work * span, "work": work, "span": span}
+
+
+def explain(path):
+    """The `ratio_factors` of a results file's --timeline rows, as text."""
+    rows = json.loads(pathlib.Path(path).read_text())["speedup"]
+    names = ("busy", "rest", "work", "span")
+    lines = [f"{'K':>2} {'M':>3} {'schedule':<12} {'measured/ideal':>14} "
+             + " ".join(f"{n:>6}" for n in names)]
+    for row in rows:
+        factors = ratio_factors(row)
+        if factors:
+            lines.append(f"{row['num_devices']:>2} {row['num_microbatches']:>3} "
+                         f"{row['schedule']:<12} {row['ratio_to_ideal']:>14.3f} "
+                         + " ".join(f"{factors[n]:>6.3f}" for n in names))
+    return "\n".join(lines)
 
 
 def speedup_grid(devices, microbatches, schedules=SCHEDULES, log=print,
@@ -618,6 +667,9 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
+    if f.explain:
+        print(explain(f.explain))
+        return
     model = {"batch": f.batch, "width": f.width, "layers": f.layers}
     timing = {"repeats": f.repeats, "steps": f.steps, "warmup": f.warmup,
               "recompute": f.recompute, "timeline": f.timeline}
@@ -679,6 +731,9 @@ def _define_flags():
                         "M for the trace-time runs (empty: skip them).")
     flags.DEFINE_string("out", str(common.RESULTS_DIR / "schedules.json"),
                         "JSON output; the PNG goes beside it.")
+    flags.DEFINE_string("explain", None,
+                        "Run nothing: print the measured/ideal factors (busy, rest = work "
+                        "* span) of this results file's --timeline rows.")
 
 
 if __name__ == "__main__":

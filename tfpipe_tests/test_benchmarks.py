@@ -99,6 +99,51 @@ def test_zero_bubble_summary_adds_the_split_gain_where_zbh1_was_recorded():
     assert "zbh1_over_1f1b_simulated_on_zbh1_costs" not in entry
 
 
+def _timed_row(plain_ms, step_ms, span_ms, ideal_sim, stage_ms=None, k=2, m=8):
+    """A `run_config` row as --timeline writes it (the numbers ratio_factors reads)."""
+    timeline = None if stage_ms is None else {"stage_ms": stage_ms, "span_ms": span_ms}
+    return {"num_devices": k, "num_microbatches": m, "schedule": "1f1b",
+            "ideal_sim": ideal_sim, "ratio_to_ideal": plain_ms / step_ms / ideal_sim,
+            "result": {"plain": {"step_ms": plain_ms}, "tfpipe": {"step_ms": step_ms},
+                       "timeline": timeline}}
+
+
+@pytest.mark.parametrize("plain_ms, step_ms, span_ms, ideal_sim, expected", [
+    # K=2, M=8, stages F=1, B=2 ms: 8 * 6 / 2 = 24 ms of actions per device.
+    # As simulated (busy 24/27 of 27 ms; ideal_sim 2*24/27), the plain step
+    # 48 ms = 2 * 24, the timed step the span: every factor 1.
+    (48.0, 27.0, 27.0, 2 * 24 / 27, dict(busy=1.0, rest=1.0, work=1.0, span=1.0)),
+    # The same span, micro-batches costing 20% more than the plain step.
+    (40.0, 27.0, 27.0, 2 * 24 / 27, dict(busy=1.0, rest=40 / 48, work=40 / 48, span=1.0)),
+    # A bigger bubble (span 30 for the same work), timed step = span.
+    (48.0, 30.0, 30.0, 2 * 24 / 27, dict(busy=27 / 30, rest=1.0, work=1.0, span=1.0)),
+    # The timed step 10% longer than the recorded span (the update).
+    (48.0, 29.7, 27.0, 2 * 24 / 27, dict(busy=1.0, rest=27 / 29.7, work=1.0, span=27 / 29.7)),
+])
+def test_ratio_factors_multiply_to_measured_over_ideal(plain_ms, step_ms, span_ms, ideal_sim,
+                                                       expected):
+    row = _timed_row(plain_ms, step_ms, span_ms, ideal_sim,
+                     {"forward": [1.0, 1.0], "backward": [2.0, 2.0], "weight": [0.0, 0.0]})
+    factors = schedules.ratio_factors(row)
+    assert factors == pytest.approx(expected)
+    assert factors["busy"] * factors["rest"] == pytest.approx(row["ratio_to_ideal"])
+    assert factors["work"] * factors["span"] == pytest.approx(factors["rest"])
+
+
+def test_ratio_factors_need_a_recorded_step_and_explain_prints_those_rows(tmp_path):
+    recorded = _timed_row(40.0, 27.0, 27.0, 2 * 24 / 27,
+                          {"forward": [1.0, 1.0], "backward": [2.0, 2.0], "weight": [0.0, 0.0]})
+    unrecorded = _timed_row(40.0, 27.0, 27.0, 2 * 24 / 27, m=4)  # no --timeline
+    assert schedules.ratio_factors(unrecorded) is None
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({"speedup": [recorded, unrecorded]}))
+    header, line = schedules.explain(path).splitlines()
+    assert header.split() == ["K", "M", "schedule", "measured/ideal", "busy", "rest", "work",
+                              "span"]
+    assert line.split() == ["2", "8", "1f1b", f"{recorded['ratio_to_ideal']:.3f}", "1.000",
+                            f"{40 / 48:.3f}", f"{40 / 48:.3f}", "1.000"]
+
+
 @pytest.mark.parametrize("stage_ms, m, expected", [
     # F = I = W = 1 on both stages: the simulator's own ratio, 1F1B 3M + 3 (M + 1
     # with F=1, B=2 on 2 devices) over ZB-H1's 3M + 1.
