@@ -54,6 +54,12 @@ core count, versions).
 
     python -m benchmarks.schedules                       # full grid, ~12 min on 2 cores
     python -m benchmarks.schedules --devices=2 --microbatches=1,8 --repeats=1 --steps=1
+    python -m benchmarks.schedules --explain=benchmarks/results/zero_bubble_amd.json
+
+`--explain` runs nothing: for a stored file's --timeline rows it prints where
+measured/ideal goes (`ratio_factors`: the bubble against the simulated one, and the
+rest: the micro-batch actions' time against the plain step, the recorded step
+against the timed one).
 """
 
 import json
