@@ -182,8 +182,10 @@ def test_terminating_the_runner_leaves_no_test_process_behind(tmp_path):
         # What the shards wrote before they were killed is printed, and removed.
         assert "== shard 0/2: exit killed after" in output
         assert "test_suite.py::test_waits" in output
-        # Each header starts a line, though the killed shard's log ended mid-line.
-        assert "\n== shard 1/2: exit 5 after" in output
+        # Each header starts a line, though the killed shard's log ended
+        # mid-line. (Shard 1 has no test: exit 5, or killed if it had not
+        # finished by then.)
+        assert "\n== shard 1/2: exit " in output
         assert list(logs.iterdir()) == []
         deadline = time.monotonic() + 10
         while _alive(child) and time.monotonic() < deadline:
