@@ -163,3 +163,12 @@ def run_child(args, timeout, env=None):
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     done.pid = proc.pid
     return done
+
+
+def process_alive(pid):
+    """Whether `pid` exists and is not a zombie (an exited child not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -31,6 +31,7 @@ import tfpipe
 from tfpipe import cluster as cluster_lib
 from tfpipe import placement
 from tfpipe import watchdog
+from tfpipe_tests import helpers
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT = 240  # seconds; a child with 2 workers takes 20-60 s on 2 busy cores
@@ -172,15 +173,6 @@ def test_local_cluster_needs_a_count(n):
 # -- connected children -------------------------------------------------------------
 
 
-def _alive(pid):
-    """Whether `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _run_child(scenario, timeout=CHILD_TIMEOUT):
     """Runs CHILDREN[scenario] in a child process; returns (exit code, its JSON
     result or None, stderr, seconds). Kills the child's group and any worker
@@ -206,7 +198,7 @@ def _run_child(scenario, timeout=CHILD_TIMEOUT):
         elif line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
     time.sleep(1.0)  # a worker whose parent went away exits within 0.5 s
-    left = [p for p in pids if _alive(p)]
+    left = [p for p in pids if helpers.process_alive(p)]
     for p in left:  # never leave one behind, even when the assertion below fails
         os.kill(p, signal.SIGKILL)
     assert pids and not left, f"workers left behind: {left} of {pids}"
@@ -400,7 +392,7 @@ class _Trainer:
             for t in self._readers:
                 t.join(10)
             time.sleep(1.0)
-            left = [p for p in self.pids if _alive(p)]
+            left = [p for p in self.pids if helpers.process_alive(p)]
             for p in left:
                 os.kill(p, signal.SIGKILL)
             assert not left, f"workers left behind: {left} of {self.pids}"

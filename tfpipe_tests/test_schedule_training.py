@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
+from tfpipe import boundary
 from tfpipe import schedules
 from tfpipe_tests import helpers
 
@@ -153,7 +154,6 @@ def test_the_probe_traces_a_while_loop_for_its_gradient_only_when_it_takes_one(
     forward-only probe took 15 s under a tape, 2 s without, on a 2-core AMD
     EPYC): without connectivity the probe's graph holds the functions a plain
     trace of the stage holds."""
-    from tfpipe import boundary  # pylint: disable=import-outside-toplevel
     stage = keras.Sequential([keras.Input((3, 2)), keras.layers.LSTM(2)])
     graphs = []
 

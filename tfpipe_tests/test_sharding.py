@@ -42,9 +42,13 @@ def test_t5(): pass
 ALL = ["test_t0", "test_t1", "test_t2[a]", "test_t2[b]", "test_t4", "test_t5"]
 
 
-def _pytest(tmp_path, *args):
-    (tmp_path / "test_suite.py").write_text(SUITE)
+def _write_suite(tmp_path, suite=SUITE):
+    (tmp_path / "test_suite.py").write_text(suite)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: heavy\n")
+
+
+def _pytest(tmp_path, *args):
+    _write_suite(tmp_path)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "tfpipe_tests.sharding", "-p",
          "no:cacheprovider", "-v", *args, str(tmp_path)],
@@ -97,8 +101,7 @@ def test_a_bad_shard_stops_before_any_test_and_names_the_fix(tmp_path, value):
 def _runner(tmp_path, *args, suite=SUITE, **popen):
     """`python -m tfpipe_tests.run <args>` on `suite`: the finished process, or
     with `popen` keyword arguments the running one."""
-    (tmp_path / "test_suite.py").write_text(suite)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: heavy\n")
+    _write_suite(tmp_path, suite)
     command = [sys.executable, "-m", "tfpipe_tests.run", *args, "-p", "tfpipe_tests.sharding",
                "-p", "no:cacheprovider", "-v", str(tmp_path)]
     if popen:
@@ -188,23 +191,15 @@ def test_terminating_the_runner_leaves_no_test_process_behind(tmp_path):
         assert "\n== shard 1/2: exit " in output
         assert list(logs.iterdir()) == []
         deadline = time.monotonic() + 10
-        while _alive(child) and time.monotonic() < deadline:
+        while helpers.process_alive(child) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(child)
+        assert not helpers.process_alive(child)
     finally:
         runner.kill()
         runner.wait()
         for pid in children:  # only if the runner left it
-            if _alive(pid):
+            if helpers.process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 # -- which rows of a table the default suite runs (helpers) -----------------------------
