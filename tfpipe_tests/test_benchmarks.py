@@ -7,6 +7,8 @@ what the tables read, and keeps BUILD.md's markers.
 
 import json
 
+import keras
+import numpy as np
 import pytest
 
 from benchmarks import common
@@ -165,16 +167,62 @@ def test_measure_trace_loop_in_process():
     assert result["trace_s"] == sorted(result["trace_runs_s"])[1]
 
 
-@pytest.mark.slow  # builds MobileNetV2 twice: ~30 s
-@pytest.mark.parametrize("pipelined, execution", [(False, None), (True, "stage_functions")])
-def test_first_step_times_the_first_fit_and_each_later_step(pipelined, execution):
-    result = first_step.measure_first_fit(2, execution, stages=2, batch=4,
-                                          pipelined=pipelined, steps=3)
-    assert result["first_fit_s"] > 0
+@pytest.mark.slow  # builds MobileNetV2 three times: ~45 s
+@pytest.mark.parametrize("pipelined, execution, build_optimizer", [
+    (False, None, False), (False, None, True), (True, "stage_functions", False)])
+def test_first_step_times_the_set_up_the_first_fit_and_each_later_step(
+        pipelined, execution, build_optimizer):
+    result = first_step.measure_first_fit(2, execution, stages=2, batch=4, pipelined=pipelined,
+                                          steps=3, build_optimizer=build_optimizer)
+    assert result["setup_s"] > 0 and result["first_fit_s"] > 0
     # The second fit runs 4 steps; its first (iterator set-up) is left out.
     assert len(result["steps_ms"]) == 3 and all(t > 0 for t in result["steps_ms"])
     assert result["step_ms"] == sorted(result["steps_ms"])[1]  # the median
     json.dumps(result)
+
+
+def test_first_step_refuses_to_build_a_pipelined_models_optimizer():
+    with pytest.raises(ValueError, match="build_optimizer=True is for plain Keras"):
+        first_step.measure_first_fit(2, "unrolled", stages=2, batch=4, build_optimizer=True)
+
+
+@pytest.mark.parametrize("build_optimizer, traces", [(False, 2), (True, 1)])
+def test_plain_keras_traces_its_first_step_twice_unless_the_optimizer_is_built(
+        build_optimizer, traces):
+    # What the two baselines of benchmarks.first_step differ by: Keras builds
+    # the optimizer's slots inside the first fit's trace, and a tf.function
+    # that creates variables is traced again.
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="adam", loss="mse", jit_compile=False)
+    if build_optimizer:
+        model.optimizer.build(model.trainable_variables)
+    calls = []
+    train_step = model.train_step
+    model.train_step = lambda data: calls.append(1) or train_step(data)
+    model.fit(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"), batch_size=4, verbose=0)
+    assert len(calls) == traces
+
+
+def _first_step_row(execution, setup_s, first_fit_s):
+    return dict(execution=execution, num_microbatches=1, onednn="default", setup_s=setup_s,
+                first_fit_s=first_fit_s, step_ms=5.0)
+
+
+@pytest.mark.parametrize("plain, built, row, expected", [
+    # plain: 1 s set-up, 20 s first fit; plain_built: 2 s, 10 s; the row: 4 s, 30 s.
+    ((1.0, 20.0), (2.0, 10.0), (4.0, 30.0), (1.5, 3.0, 34.0 / 21.0)),
+    # A baseline that failed leaves its ratios empty, not the others.
+    ((1.0, 20.0), (2.0, None), (4.0, 30.0), (1.5, None, 34.0 / 21.0)),
+    ((None, None), (2.0, 10.0), (4.0, 30.0), (None, 3.0, None)),
+])
+def test_first_step_rows_over_each_baseline(plain, built, row, expected):
+    rows = first_step.over_baselines([_first_step_row("plain", *plain),
+                                      _first_step_row("plain_built", *built),
+                                      _first_step_row("stage_functions", *row)])
+    got = rows[-1]
+    assert got["first_fit_over_plain"] == pytest.approx(expected[0])
+    assert got["first_fit_over_plain_built"] == pytest.approx(expected[1])
+    assert got["wait_over_plain"] == pytest.approx(expected[2])
 
 
 @pytest.mark.parametrize("onednn", [("on",), ("default", "OFF")])
@@ -184,8 +232,7 @@ def test_first_step_names_an_unknown_onednn_setting(onednn):
 
 
 def test_first_step_table_has_a_onednn_column_only_for_several_settings():
-    row = dict(execution="plain", num_microbatches=1, first_fit_s=1.0,
-               first_fit_over_plain=1.0, step_ms=5.0)
+    row = first_step.over_baselines([_first_step_row("plain", 1.0, 2.0)])[0]
     one = first_step.table([{**row, "onednn": "default"}])
     both = first_step.table([{**row, "onednn": "default"}, {**row, "onednn": "off"}])
     assert "oneDNN" not in one
