@@ -49,7 +49,7 @@ def default_execution(num_microbatches, schedule):
     inlines every action, so its trace and graph optimisation grow with M
     (MobileNetV2 on 4 stages waits 0.6x plain Keras' time for its first step
     at M=1 and 4.2x at M=8), and its steps are the fastest; stage functions
-    trace each stage once (1.3x plain at M=8; 3.2x plain Keras whose optimizer
+    trace each stage once (1.3x plain at M=8; 2.4-3.2x plain Keras whose optimizer
     is built before `fit`, so that its first fit traces once), and their steps
     take about 5-8% longer on that model's 4-image micro-batches (no longer on
     256-row ones).
