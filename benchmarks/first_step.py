@@ -156,6 +156,13 @@ def _ratio(a, b):
     return a / b if a and b else None
 
 
+def _wait(row):
+    """Set-up + first fit (s), or None where either is missing."""
+    if row.get("setup_s") is None or not row.get("first_fit_s"):
+        return None
+    return row["setup_s"] + row["first_fit_s"]
+
+
 def over_baselines(rows):
     """Adds to each of one setting's rows its first fit over each baseline's
     (`first_fit_over_plain`, `first_fit_over_plain_built`) and its whole wait
@@ -163,14 +170,10 @@ def over_baselines(rows):
     None where a figure is missing. Returns `rows`."""
     base = {r["execution"]: r for r in rows if r["execution"] in BASELINES}
     plain, built = base.get("plain", {}), base.get("plain_built", {})
-    plain_wait = (plain["setup_s"] + plain["first_fit_s"]
-                  if plain.get("setup_s") is not None and plain.get("first_fit_s") else None)
     for row in rows:
         row["first_fit_over_plain"] = _ratio(row["first_fit_s"], plain.get("first_fit_s"))
         row["first_fit_over_plain_built"] = _ratio(row["first_fit_s"], built.get("first_fit_s"))
-        wait = (row["setup_s"] + row["first_fit_s"]
-                if row.get("setup_s") is not None and row["first_fit_s"] else None)
-        row["wait_over_plain"] = _ratio(wait, plain_wait)
+        row["wait_over_plain"] = _ratio(_wait(row), _wait(plain))
     return rows
 
 
