@@ -34,6 +34,7 @@ not the absolute times, are the result: every row shares the machine's speed.
     python -m benchmarks.first_step                              # ~6 min on 2 cores
     python -m benchmarks.first_step --microbatches=1,8 --executions=loop
     python -m benchmarks.first_step --microbatches=8 --onednn=default,off
+    python -m benchmarks.first_step --microbatches=8 --executions=stage_functions --recompute=always
 """
 
 import os
@@ -48,10 +49,11 @@ IMAGE, CLASSES = 32, 10
 
 
 def measure_first_fit(num_microbatches, execution, stages, batch, pipelined=True, seed=0,
-                      steps=8, build_optimizer=False):
+                      steps=8, build_optimizer=False, recompute=None):
     """Builds MobileNetV2 (pipelined or plain); times its set-up, the first
     fit, then `steps` later steps; in a child. `build_optimizer` (plain only)
-    builds the optimizer's variables in the set-up, before `fit`."""
+    builds the optimizer's variables in the set-up, before `fit`; `recompute`
+    (pipelined only) is the strategy's, None for its default."""
     import keras  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
     import tfpipe  # pylint: disable=import-outside-toplevel
@@ -69,7 +71,7 @@ def measure_first_fit(num_microbatches, execution, stages, batch, pipelined=True
     if pipelined:
         strategy = tfpipe.PipelineStrategy(
             devices=[f"/CPU:{i}" for i in range(stages)], num_microbatches=num_microbatches,
-            execution=execution)
+            execution=execution, recompute=recompute)
         with strategy.scope():
             model = tfpipe.PipelinedModel.from_model(source, balance="params")
             model.compile(**compile_kwargs)
@@ -86,7 +88,7 @@ def measure_first_fit(num_microbatches, execution, stages, batch, pipelined=True
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
     later = timer.steps_ms[1:]  # the second fit's first step sets up its iterator
     return {"setup_s": setup, "first_fit_s": first, "step_ms": statistics.median(later),
-            "steps_ms": later,
+            "steps_ms": later, "recompute": model.recompute if pipelined else None,
             "peak_rss_mib": common.peak_rss_mib()}
 
 
@@ -117,7 +119,7 @@ BASELINES = {"plain": {}, "plain_built": {"build_optimizer": True}}  # measure_f
 
 
 def grid(microbatches, executions, stages=4, batch=32, steps=8, onednn=("default",), log=print,
-         timeout=1800):
+         timeout=1800, recompute=None):
     """For each oneDNN setting (`ONEDNN`: "default" keeps this process's
     environment, so TensorFlow's choice for the CPU unless
     TF_ENABLE_ONEDNN_OPTS is already set; "off" sets it to 0), the plain
@@ -137,7 +139,7 @@ def grid(microbatches, executions, stages=4, batch=32, steps=8, onednn=("default
                 "benchmarks.first_step:measure_first_fit",
                 dict(num_microbatches=m, execution=execution if pipelined else None,
                      stages=stages, batch=batch, pipelined=pipelined, steps=steps,
-                     **BASELINES.get(execution, {})),
+                     **(BASELINES[execution] if not pipelined else {"recompute": recompute})),
                 intra_op=0, inter_op=0, devices=stages, timeout=timeout, env=ONEDNN[setting])
             row = {"execution": execution, "num_microbatches": m, "onednn": setting,
                    "result": result}
@@ -203,7 +205,7 @@ def main(argv):
     print(f"machine: {common.machine_label(info)}; load average {info['load_average_at_start']}")
     rows = grid(common.parse_ints(f.microbatches), [e for e in f.executions.split(",") if e],
                 stages=f.stages, batch=f.batch, steps=f.steps,
-                onednn=[o for o in f.onednn.split(",") if o])
+                onednn=[o for o in f.onednn.split(",") if o], recompute=f.recompute or None)
     print(table(rows))
     out = common.write_json(f.out, {"machine": info, "rows": rows,
                                     "wall_s": time.perf_counter() - start})
@@ -220,6 +222,8 @@ def _define_flags():
     flags.DEFINE_string("onednn", "default",
                         "oneDNN settings, each a full grid: default (TensorFlow's choice for "
                         "this CPU) and/or off (TF_ENABLE_ONEDNN_OPTS=0).")
+    flags.DEFINE_string("recompute", "", "The pipelined rows' recompute mode; empty for "
+                        "tfpipe's default (except_last, or always for the loop form).")
     flags.DEFINE_string("out", str(common.RESULTS_DIR / "first_step.json"), "JSON output.")
 
 

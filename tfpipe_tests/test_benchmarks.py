@@ -167,14 +167,18 @@ def test_measure_trace_loop_in_process():
     assert result["trace_s"] == sorted(result["trace_runs_s"])[1]
 
 
-@pytest.mark.slow  # builds MobileNetV2 three times: ~45 s
-@pytest.mark.parametrize("pipelined, execution, build_optimizer", [
-    (False, None, False), (False, None, True), (True, "stage_functions", False)])
+@pytest.mark.slow  # builds MobileNetV2 four times: ~60 s
+@pytest.mark.parametrize("pipelined, execution, build_optimizer, recompute, resolved", [
+    (False, None, False, None, None), (False, None, True, None, None),
+    (True, "stage_functions", False, None, "except_last"),
+    (True, "stage_functions", False, "always", "always")])
 def test_first_step_times_the_set_up_the_first_fit_and_each_later_step(
-        pipelined, execution, build_optimizer):
+        pipelined, execution, build_optimizer, recompute, resolved):
     result = first_step.measure_first_fit(2, execution, stages=2, batch=4, pipelined=pipelined,
-                                          steps=3, build_optimizer=build_optimizer)
+                                          steps=3, build_optimizer=build_optimizer,
+                                          recompute=recompute)
     assert result["setup_s"] > 0 and result["first_fit_s"] > 0
+    assert result["recompute"] == resolved
     # The second fit runs 4 steps; its first (iterator set-up) is left out.
     assert len(result["steps_ms"]) == 3 and all(t > 0 for t in result["steps_ms"])
     assert result["step_ms"] == sorted(result["steps_ms"])[1]  # the median
