@@ -16,19 +16,17 @@ afterwards, so a recompute never updates state twice.
 import tensorflow as tf
 
 from tfpipe import _internal
+from tfpipe import schedules
 
-RECOMPUTE_MODES = ("always", "except_last", "never")
+# The policies and which micro-batches each replays are the schedule
+# arithmetic's (pure Python, so the simulator prices them without TensorFlow).
+RECOMPUTE_MODES = schedules.RECOMPUTE_MODES
+should_recompute = schedules.is_recomputed
 
 
 def validate(mode):
     """Returns `mode` if it names a recompute policy, else raises ValueError."""
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(
-            f"Unknown recompute mode {mode!r}. Use one of {list(RECOMPUTE_MODES)}: "
-            f"'always' recomputes every stage in the backward pass, "
-            f"'except_last' all but the last micro-batch (as torchgpipe), "
-            f"'never' keeps all activations."
-        )
+    schedules.is_recomputed(mode, 0, 1)
     return mode
 
 
@@ -62,15 +60,6 @@ def resolve(mode, execution):
             f"execution='unrolled' for {mode!r}."
         )
     return mode
-
-
-def should_recompute(mode, microbatch, num_microbatches):
-    """Whether micro-batch `microbatch` (0-based) of M is recomputed."""
-    if mode == "always":
-        return True
-    if mode == "except_last":
-        return microbatch != num_microbatches - 1
-    return False
 
 
 class StageState:

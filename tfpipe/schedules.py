@@ -125,6 +125,30 @@ BACKWARD_FORMS = (("B",), ("I", "W"))
 _RULES = "; ".join(kind.rule for kind in KINDS.values() if kind.rule) + "."
 
 
+# Re-materialisation policies (`tfpipe.recompute` applies them; `simulate`
+# prices them): which micro-batches replay their stage's forward before the
+# backward that needs its activations.
+RECOMPUTE_MODES = ("always", "except_last", "never")
+
+
+def is_recomputed(mode, microbatch, num_microbatches):
+    """Whether micro-batch `microbatch` (0-based) of M replays its forward
+    under recompute `mode`: every one for "always", all but the last for
+    "except_last" (its activations are still there), none for "never"."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"Unknown recompute mode {mode!r}. Use one of {list(RECOMPUTE_MODES)}: "
+            f"'always' recomputes every stage in the backward pass, "
+            f"'except_last' all but the last micro-batch (as torchgpipe), "
+            f"'never' keeps all activations."
+        )
+    if mode == "always":
+        return True
+    if mode == "except_last":
+        return microbatch != num_microbatches - 1
+    return False
+
+
 def input_gradient_action(actions, stage, microbatch):
     """The action that produces the input gradient of (stage, microbatch) in a
     table holding `actions`: its I if there is one, else its B."""
@@ -701,8 +725,11 @@ class Simulation:
     order: list
 
 
-def _cost_function(forward_cost, backward_cost, weight_cost, virtual_stages):
-    """cost(action) in `simulate`'s units; checks weight_cost <= backward_cost."""
+def _cost_function(forward_cost, backward_cost, weight_cost, virtual_stages,
+                   recompute="never", num_microbatches=None):
+    """cost(action) in `simulate`'s units; checks weight_cost <= backward_cost.
+    Under `recompute` the action that needs a replayed micro-batch's
+    activations first (its B or I) also pays the stage's forward."""
 
     def per_stage(value, stage):
         if isinstance(value, (int, float)):
@@ -721,7 +748,15 @@ def _cost_function(forward_cost, backward_cost, weight_cost, virtual_stages):
         return {"forward": lambda: per_stage(forward_cost, stage), "backward": lambda: backward,
                 "input": lambda: backward - weight, "weight": lambda: weight}[name]()
 
-    return lambda action: by_name(KINDS[action.kind].cost, action.stage)
+    def cost(action):
+        own = by_name(KINDS[action.kind].cost, action.stage)
+        if (KINDS[action.kind].input_gradient
+                and is_recomputed(recompute, action.microbatch, num_microbatches)):
+            own += by_name("forward", action.stage)
+        return own
+
+    is_recomputed(recompute, 0, 1)  # a bad mode fails before any action is priced
+    return cost
 
 
 def _run(table, k_count, cost, describe):
@@ -776,7 +811,7 @@ def _run(table, k_count, cost, describe):
 
 
 def simulate(schedule, num_microbatches, num_devices, forward_cost=1.0, backward_cost=2.0,
-             weight_cost=None):
+             weight_cost=None, recompute="never"):
     """Runs the schedule on an idealised machine; validates it on the way.
 
     Each device runs its actions in order; an action starts when its device is
@@ -793,6 +828,11 @@ def simulate(schedule, num_microbatches, num_devices, forward_cost=1.0, backward
       forward_cost, backward_cost: float, or a list of K per-stage costs.
       weight_cost: float or a list of K per-stage costs, at most
         `backward_cost`; None: half of `backward_cost`.
+      recompute: "never", "always" or "except_last" (`RECOMPUTE_MODES`): a
+        micro-batch that replays its forward (`is_recomputed`) pays the
+        stage's forward cost again in its B (or I), so `backward_cost` is
+        the backward alone. With the defaults, GPipe's recompute step is
+        `simulate(s, M, D, recompute="always")`: a backward of 3 forwards.
     Returns:
       A `Simulation`.
     Raises:
@@ -803,7 +843,8 @@ def simulate(schedule, num_microbatches, num_devices, forward_cost=1.0, backward
     """
     schedule = get(schedule)
     table, k_count = _table(schedule, num_microbatches, num_devices)
-    cost = _cost_function(forward_cost, backward_cost, weight_cost, schedule.virtual_stages)
+    cost = _cost_function(forward_cost, backward_cost, weight_cost, schedule.virtual_stages,
+                          recompute, num_microbatches)
     return _run(table, k_count, cost,
                 f"{schedule!r} with M={num_microbatches}, D={num_devices}")
 

@@ -307,6 +307,41 @@ def test_per_stage_weight_costs_and_bad_weight_cost():
         schedules.simulate(table, 1, 2, 1.0, 2.0, weight_cost=3.0)
 
 
+@pytest.mark.parametrize("schedule, m, d, makespans", [
+    # (never, except_last, always); F=1, B=2. Keeping the last micro-batch
+    # saves one forward per stage on the tail's critical path, not per step.
+    ("gpipe", 8, 2, (27.0, 35.0, 36.0)),
+    ("1f1b", 8, 2, (27.0, 34.0, 36.0)),
+    ("1f1b", 8, 4, (33.0, 42.0, 44.0)),
+    ("zbh1", 8, 2, (25.0, 33.0, 34.0)),
+    ("gpipe", 1, 2, (6.0, 6.0, 8.0)),  # M=1: except_last keeps everything
+])
+def test_recompute_prices_the_replayed_forward(schedule, m, d, makespans):
+    got = tuple(schedules.simulate(schedule, m, d, recompute=mode).makespan
+                for mode in ("never", "except_last", "always"))
+    assert got == makespans
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1", "zbv"])
+def test_the_replay_goes_to_the_action_that_needs_the_activations(schedule):
+    sim = schedules.simulate(schedule, 4, 2, 1.0, 2.0, recompute="except_last")
+    v = schedules.get(schedule).virtual_stages
+    for row in sim.timeline:
+        for action, start, end in row:
+            replayed = action.kind in ("B", "I") and action.microbatch != 3
+            own = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}[action.kind]
+            assert end - start == pytest.approx((own + replayed) / v), action
+    # Without split backwards, "always" is a backward of forward + backward.
+    if schedule in ("gpipe", "1f1b"):
+        assert (schedules.simulate(schedule, 4, 2, recompute="always").timeline
+                == schedules.simulate(schedule, 4, 2, 1.0, 3.0).timeline)
+
+
+def test_unknown_recompute_mode_is_named():
+    with pytest.raises(ValueError, match=r"Unknown recompute mode 'sometimes'.*'always'"):
+        schedules.simulate("gpipe", 4, 2, recompute="sometimes")
+
+
 @pytest.mark.parametrize("rows, message", [
     ([["F0.0", "B0.0", "I0.0", "W0.0"], ["F1.0", "B1.0"]],
      r"has both B0\.0 and I0\.0 and W0\.0: the backward of stage 0 on micro-batch 0 is "
