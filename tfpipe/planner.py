@@ -41,8 +41,9 @@ What is *predicted*:
   activation peak; of a device: the sum over its stages' static bytes +
   the device's activation peak. Not included: the traced program, the
   runtime, the input batch, framework workspace beyond the estimate above.
-* step time: the simulated makespan of forward + backward (a recomputed
-  micro-batch's backward includes a second forward), with per-stage costs
+* step time: the simulated makespan of forward + backward (the simulator
+  adds a second forward to each recomputed micro-batch's backward,
+  `schedules.simulate(recompute=)`), with per-stage costs
   from the measured unit times at the micro-batch size; communication is
   free and the optimizer update is not counted. `bubble_fraction` is the
   simulator's idle share.
@@ -323,8 +324,9 @@ class StagePlan:
       activation_bytes: the predicted peak of its live activations (stashes,
         replays and backward workspace) under the schedule and recompute mode.
       peak_bytes: param + optimizer + gradient + activation bytes.
-      forward_s, backward_s: predicted seconds per micro-batch (backward
-        includes the replayed forward when recomputed).
+      forward_s, backward_s: predicted seconds per micro-batch; the
+        backward alone (a recomputed micro-batch's replay costs a forward_s
+        more, which the step time counts).
     """
 
     stage: int
@@ -396,12 +398,11 @@ def _evaluate(graph, units, tensor_bytes, rows_measured, batch_size, m, schedule
                        "last": group[-1].name, "units": size})
         f = sum(u.forward[0] + u.forward[1] * rows for u in group)
         b = sum(u.backward[0] + u.backward[1] * rows for u in group)
-        replays = sum(recompute_lib.should_recompute(mode, i, m) for i in range(m)) / m
         forward.append(f)
-        backward.append(b + replays * f)
-    if timed:
+        backward.append(b)
+    if timed:  # the simulator adds each replayed micro-batch's forward to its backward
         sim = schedules.simulate(schedule, m, d_count, forward_cost=forward,
-                                 backward_cost=backward)
+                                 backward_cost=backward, recompute=mode)
     else:  # no times: equal stages, for the bubble and the order of actions
         sim = schedules.simulate(schedule, m, d_count)
     stage_peak, device_act, host_act = _activation_peaks(sim, info, mode, m, k_count)

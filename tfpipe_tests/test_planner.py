@@ -112,12 +112,16 @@ def test_activation_bytes_follow_the_recompute_mode_and_the_schedule():
     assert onefoneb.stages[0].activation_bytes < gpipe.stages[0].activation_bytes
 
 
-def test_measured_times_feed_the_simulator():
+@pytest.mark.parametrize("recompute", ["never", "except_last", "always"])
+def test_measured_times_feed_the_simulator(recompute):
     model = _mlp()
-    plan = tfpipe.plan(model, 32, 4, num_stages=2, schedule="1f1b", recompute="never",
+    plan = tfpipe.plan(model, 32, 4, num_stages=2, schedule="1f1b", recompute=recompute,
                        repeats=1)
+    # The simulator prices the replays: each recomputed micro-batch's backward
+    # pays its stage's forward again (all four, three, or none of them).
     sim = schedules.simulate("1f1b", 4, 2, forward_cost=[s.forward_s for s in plan.stages],
-                             backward_cost=[s.backward_s for s in plan.stages])
+                             backward_cost=[s.backward_s for s in plan.stages],
+                             recompute=recompute)
     assert plan.step_time_s == pytest.approx(sim.makespan)
     assert plan.bubble_fraction == pytest.approx(sim.bubble_fraction)
     assert all(s.forward_s > 0 and s.backward_s > 0 for s in plan.stages)
