@@ -31,7 +31,11 @@ during the timed runs) shows how many cores were busy.
 Ideals, printed beside the measurement: K*M/(M+K-1) (GPipe, equal stages,
 no communication cost) and the schedule's own ideal from
 `tfpipe.schedules.simulate` (serial work / simulated makespan, backward =
-2x forward; 3x with recompute). On a machine with fewer cores than K devices
+2x forward; a micro-batch the recompute mode replays pays its forward again).
+`--recompute` takes a list (a row per mode). `--compare_recompute` times
+the same pipeline under other modes in each row's child, alternating with it;
+`recompute_cost` gives their throughput over the row's, measured (paired per
+repeat, so drift between children cannot enter) and simulated. On a machine with fewer cores than K devices
 no schedule can beat the core count, so `ratio_to_bound` also divides by
 min(ideal, usable cores).
 
@@ -55,6 +59,9 @@ core count, versions).
     python -m benchmarks.schedules                       # full grid, ~12 min on 2 cores
     python -m benchmarks.schedules --devices=2 --microbatches=1,8 --repeats=1 --steps=1
     python -m benchmarks.schedules --explain=benchmarks/results/zero_bubble_amd.json
+    python -m benchmarks.schedules --devices=2 --microbatches=4,8 --schedules=gpipe,1f1b \
+        --executions=stage_functions --recompute=except_last --compare_recompute=always \
+        --trace_microbatches=
 
 `--explain` runs nothing: for a stored file's --timeline rows it prints where
 measured/ideal goes (`ratio_factors`: the bubble against the simulated one, and the
@@ -96,13 +103,13 @@ def simulated_speedup(schedule, num_devices, num_microbatches, recompute="never"
     """Serial work / makespan from `tfpipe.schedules.simulate`.
 
     Work is counted as for the plain model (forward 1, backward 2 per
-    device-share and micro-batch); a recomputing backward costs 3 in the
-    simulation, so recompute lowers this ideal to what the pipeline can reach
-    against a model that does not recompute.
+    device-share and micro-batch); a micro-batch that `recompute` replays
+    pays its forward again in the simulation, so recompute lowers this ideal
+    to what the pipeline can reach against a model that does not recompute.
     """
     schedules = common.schedules_module()
-    backward = 2.0 if recompute == "never" else 3.0
-    sim = schedules.simulate(_schedule(schedule), num_microbatches, num_devices, 1.0, backward)
+    sim = schedules.simulate(_schedule(schedule), num_microbatches, num_devices, 1.0, 2.0,
+                             recompute=recompute)
     return num_microbatches * num_devices * 3.0 / sim.makespan
 
 
@@ -223,7 +230,7 @@ def measure_step(num_devices, num_microbatches, schedule="gpipe", recompute="nev
                  execution="unrolled", batch=DEFAULT_MODEL["batch"],
                  width=DEFAULT_MODEL["width"], layers=DEFAULT_MODEL["layers"], warmup=2,
                  repeats=5, steps=3, baselines=("plain", "plain_threaded"), seed=0,
-                 serialize_ops=True, trace_repeats=1, timeline=False):
+                 serialize_ops=True, trace_repeats=1, timeline=False, compare_recompute=()):
     """Times one pipelined configuration and the plain baselines; runs in a child.
 
     The calling process must have >= `num_devices` logical CPUs and its
@@ -233,7 +240,11 @@ def measure_step(num_devices, num_microbatches, schedule="gpipe", recompute="nev
     first_call_s, ops, ops_total; and "speedup"
     (baseline step / tfpipe step) per baseline. With repeats=0 only the trace
     and first call are measured. With `timeline`, "timeline" holds one
-    recorded step's costs (`recorded_costs`).
+    recorded step's costs (`recorded_costs`). Each mode of
+    `compare_recompute` adds the same pipeline under that recompute mode
+    ("tfpipe[<mode>]"), timed in the same rotation, and "recompute_pairs":
+    {mode: the median over repeats of tfpipe's run time over its run time in
+    the same repeat} (above 1: that mode is faster).
     """
     import keras  # pylint: disable=import-outside-toplevel
     keras.utils.set_random_seed(seed)
@@ -241,6 +252,10 @@ def measure_step(num_devices, num_microbatches, schedule="gpipe", recompute="nev
     pipelined = _build_pipelined(num_devices, num_microbatches, schedule, recompute, execution,
                                  layers, width, serialize_ops)
     models = {"tfpipe": _Timed(pipelined, x, y, trace_repeats=trace_repeats)}
+    for mode in compare_recompute:
+        models[f"tfpipe[{mode}]"] = _Timed(_build_pipelined(
+            num_devices, num_microbatches, schedule, mode, execution, layers, width,
+            serialize_ops), x, y)
     if "plain" in baselines:
         models["plain"] = _Timed(_build_plain(layers, width), x, y, _single_threaded)
     if "plain_threaded" in baselines:
@@ -259,15 +274,19 @@ def measure_step(num_devices, num_microbatches, schedule="gpipe", recompute="nev
     result["speedup"] = {
         name: (result[name]["step_ms"] / result["tfpipe"]["step_ms"]
                if repeats and result["tfpipe"]["step_ms"] else None)
-        for name in models if name != "tfpipe"
+        for name in models if not name.startswith("tfpipe")
     }
+    result["recompute_pairs"] = {
+        mode: statistics.median(a / b for a, b in zip(models["tfpipe"].runs_ms,
+                                                      models[f"tfpipe[{mode}]"].runs_ms))
+        for mode in compare_recompute if repeats}
     result["config"] = {
         "num_devices": num_devices, "num_microbatches": num_microbatches,
         "schedule": schedule, "recompute": recompute, "execution": execution,
         "batch": batch, "width": width, "layers": layers,
         "stages": num_stages(schedule, num_devices), "warmup": warmup, "repeats": repeats,
         "steps": steps, "optimizer": "Adam(1e-4)", "loss": "mse",
-        "serialize_ops": serialize_ops,
+        "serialize_ops": serialize_ops, "compare_recompute": list(compare_recompute),
     }
     result["last_loss"] = losses.get("tfpipe")
     if timeline:
@@ -316,7 +335,8 @@ def run_config(num_devices, num_microbatches, schedule="gpipe", timeout=1800, **
         timeout=timeout)
     recompute = kwargs.get("recompute", "never")
     row = {"num_devices": num_devices, "num_microbatches": num_microbatches,
-           "schedule": schedule, "ideal": ideal_speedup(num_devices, num_microbatches),
+           "schedule": schedule, "execution": kwargs.get("execution", "unrolled"),
+           "recompute": recompute, "ideal": ideal_speedup(num_devices, num_microbatches),
            "ideal_sim": simulated_speedup(schedule, num_devices, num_microbatches, recompute),
            "cores": common.usable_cores()}
     row["bound"] = min(row["ideal_sim"], row["cores"])
@@ -377,21 +397,35 @@ def explain(path):
     return "\n".join(lines)
 
 
+def grid_configs(devices, microbatches, schedules=SCHEDULES, executions=("unrolled",),
+                 recomputes=("never",), layers=DEFAULT_MODEL["layers"]):
+    """The (K, M, schedule, execution, recompute) runs of a speed-up grid:
+    every valid combination, in order. The loop form runs only
+    recompute="always" (it keeps only stage inputs), so its other modes are
+    left out."""
+    return [(k, m, schedule, execution, recompute)
+            for k in devices for schedule in schedules for m in microbatches
+            if valid(schedule, k, m, layers) and (k > 1 or schedule == "gpipe")
+            for execution in executions for recompute in recomputes
+            if execution != "loop" or recompute == "always"]
+
+
 def speedup_grid(devices, microbatches, schedules=SCHEDULES, log=print,
-                 executions=("unrolled",), **kwargs):
-    """`run_config` for every valid (K, M, schedule, execution); a list of rows."""
-    layers = kwargs.get("layers", DEFAULT_MODEL["layers"])
+                 executions=("unrolled",), recomputes=("never",), **kwargs):
+    """`run_config` for every run of `grid_configs`; a list of rows. The
+    loop form runs only "always", so its rows compare no other mode
+    (`compare_recompute` in kwargs)."""
+    if "loop" in executions and set(recomputes) - {"always"}:
+        log(f"loop: runs only recompute='always'; skipping "
+            f"{sorted(set(recomputes) - {'always'})} for it")
     rows = []
-    for k in devices:
-        for schedule in schedules:
-            for m in microbatches:
-                if not valid(schedule, k, m, layers) or (k == 1 and schedule != "gpipe"):
-                    continue
-                for execution in executions:
-                    row = run_config(k, m, schedule, execution=execution, **kwargs)
-                    row["execution"] = execution
-                    rows.append(row)
-                    log(_speedup_line(row))
+    for k, m, schedule, execution, recompute in grid_configs(
+            devices, microbatches, schedules, executions, recomputes,
+            kwargs.get("layers", DEFAULT_MODEL["layers"])):
+        extra = dict(kwargs, **({"compare_recompute": ()} if execution == "loop" else {}))
+        row = run_config(k, m, schedule, execution=execution, recompute=recompute, **extra)
+        rows.append(row)
+        log(_speedup_line(row))
     return rows
 
 
@@ -453,10 +487,12 @@ def _speedup_line(row):
         return (f"K={row['num_devices']} M={row['num_microbatches']:<3} "
                 f"{row['schedule']:<11} ERROR {common.error_line(r)}")
     return (f"K={row['num_devices']} M={row['num_microbatches']:<3} {row['schedule']:<11} "
-            f"{row.get('execution', 'unrolled'):<8} plain {r['plain']['step_ms']:8.1f} ms  tfpipe {r['tfpipe']['step_ms']:8.1f} ms  "
+            f"{row.get('execution', 'unrolled'):<8} {row.get('recompute') or '':<11} plain {r['plain']['step_ms']:8.1f} ms  tfpipe {r['tfpipe']['step_ms']:8.1f} ms  "
             f"speed-up {row['speedup']:.2f} (ideal {row['ideal']:.2f}, sim {row['ideal_sim']:.2f})"
             f"  measured/ideal {row['ratio_to_ideal']:.2f}  cpu/wall "
-            f"{r['tfpipe']['cpu_per_wall']:.2f}")
+            f"{r['tfpipe']['cpu_per_wall']:.2f}"
+            + "".join(f"  {mode} {r[f'tfpipe[{mode}]']['step_ms']:.1f} ms (paired {pair:.3f})"
+                      for mode, pair in r.get("recompute_pairs", {}).items()))
 
 
 def _trace_line(row):
@@ -469,7 +505,7 @@ def _trace_line(row):
 
 
 def speedup_table(rows):
-    headers = ["K", "M", "schedule", "plain ms", "tfpipe ms", "speed-up", "ideal K*M/(M+K-1)",
+    headers = ["K", "M", "schedule", "execution", "recompute", "plain ms", "tfpipe ms", "speed-up", "ideal K*M/(M+K-1)",
                "ideal (simulated)", "measured / simulated ideal",
                "measured / min(simulated ideal, cores)",
                "cpu/wall", "vs plain (threaded)"]
@@ -478,11 +514,11 @@ def speedup_table(rows):
         r = row["result"]
         if "error" in r:
             body.append([str(row["num_devices"]), str(row["num_microbatches"]),
-                         row["schedule"], "error", "-", "-", row["ideal"], row["ideal_sim"],
+                         row["schedule"], *_key(row, "execution", "recompute"), "error", "-", "-", row["ideal"], row["ideal_sim"],
                          "-", "-", "-", "-"])
             continue
         body.append([str(row["num_devices"]), str(row["num_microbatches"]), row["schedule"],
-                     common.fmt(r["plain"]["step_ms"], 1), common.fmt(r["tfpipe"]["step_ms"], 1),
+                     *_key(row, "execution", "recompute"), common.fmt(r["plain"]["step_ms"], 1), common.fmt(r["tfpipe"]["step_ms"], 1),
                      row["speedup"], row["ideal"], row["ideal_sim"], row["ratio_to_ideal"],
                      row["ratio_to_bound"], r["tfpipe"]["cpu_per_wall"],
                      row["speedup_vs_threaded"]])
@@ -595,10 +631,13 @@ def zero_bubble_summary(rows):
     out = []
     unrolled = [r for r in rows if r.get("execution", "unrolled") == "unrolled"
                 and r.get("speedup")]
-    for k, m in sorted({(r["num_devices"], r["num_microbatches"]) for r in unrolled}):
+    for k, m, recompute in sorted({_key(r, "num_devices", "num_microbatches", "recompute")
+                                   for r in unrolled}):
         at = {r["schedule"]: r for r in unrolled
-              if (r["num_devices"], r["num_microbatches"]) == (k, m)}
+              if _key(r, "num_devices", "num_microbatches", "recompute") == (k, m, recompute)}
         entry = {"num_devices": k, "num_microbatches": m}
+        if recompute:
+            entry["recompute"] = recompute
         if "zbh1" in at and "1f1b" in at:
             entry["zbh1_over_1f1b"] = at["zbh1"]["speedup"] / at["1f1b"]["speedup"]
             entry["zbh1_over_1f1b_simulated"] = at["zbh1"]["ideal_sim"] / at["1f1b"]["ideal_sim"]
@@ -612,7 +651,7 @@ def zero_bubble_summary(rows):
                     recorded["stage_ms"], k, m)
         if "zbv" in at:
             entry["zbv_ratio_to_ideal"] = at["zbv"]["ratio_to_ideal"]
-        if len(entry) > 2:
+        if any(key.startswith(("zbh1", "zbv")) for key in entry):
             out.append(entry)
     return out
 
@@ -634,16 +673,41 @@ def loop_throughput(rows):
     """Per (K, M, schedule): loop step time over unrolled step time's inverse
     (loop throughput / unrolled throughput), where both were run."""
     out = []
-    keys = {(r["num_devices"], r["num_microbatches"], r["schedule"]) for r in rows}
-    for key in sorted(keys):
+    fields = ("num_devices", "num_microbatches", "schedule", "recompute")
+    for key in sorted({_key(r, *fields) for r in rows}):
         at = {r.get("execution", "unrolled"): r for r in rows
-              if (r["num_devices"], r["num_microbatches"], r["schedule"]) == key
-              and r.get("speedup")}
+              if _key(r, *fields) == key and r.get("speedup")}
         if "loop" in at and "unrolled" in at:
             out.append({"num_devices": key[0], "num_microbatches": key[1],
                         "schedule": key[2],
                         "loop_over_unrolled": at["loop"]["speedup"] / at["unrolled"]["speedup"]})
     return out
+
+
+def recompute_cost(rows):
+    """Per row run with `compare_recompute`: the other mode's throughput over
+    the row's own mode's, measured in one child ("measured": the paired
+    median of `recompute_pairs`) and simulated (`simulated_speedup` of each
+    mode: the replayed forwards on the critical path). Above 1: the other
+    mode is faster per step."""
+    out = []
+    for row in rows:
+        for mode, measured in sorted(row.get("result", {}).get("recompute_pairs", {}).items()):
+            k, m, schedule = row["num_devices"], row["num_microbatches"], row["schedule"]
+            out.append({"num_devices": k, "num_microbatches": m, "schedule": schedule,
+                        "execution": _key(row, "execution")[0],
+                        "recompute": row["recompute"], "against": mode, "measured": measured,
+                        "simulated": (simulated_speedup(schedule, k, m, mode)
+                                      / simulated_speedup(schedule, k, m, row["recompute"]))})
+    return out
+
+
+def _key(row, *fields):
+    """`row`'s values of `fields`; rows written before a field existed read
+    "" (recompute: one mode per file then, in its "timing") or "unrolled"
+    (execution)."""
+    defaults = {"execution": "unrolled", "recompute": ""}
+    return tuple(row.get(f, defaults.get(f)) for f in fields)
 
 
 def trace_flatness(rows, execution="loop"):
@@ -678,23 +742,28 @@ def main(argv):
         return
     model = {"batch": f.batch, "width": f.width, "layers": f.layers}
     timing = {"repeats": f.repeats, "steps": f.steps, "warmup": f.warmup,
-              "recompute": f.recompute, "timeline": f.timeline}
+              "timeline": f.timeline,
+              "compare_recompute": [r for r in f.compare_recompute.split(",") if r]}
+    recomputes = [r for r in f.recompute.split(",") if r]
     start = time.perf_counter()
     info = common.machine()
     print(f"machine: {common.machine_label(info)}; load average {info['load_average_at_start']}")
     rows = speedup_grid(common.parse_ints(f.devices), common.parse_ints(f.microbatches),
                         [s for s in f.schedules.split(",") if s],
-                        executions=[e for e in f.executions.split(",") if e], **model, **timing)
+                        executions=[e for e in f.executions.split(",") if e],
+                        recomputes=recomputes, **model, **timing)
     traces = []
     if f.trace_microbatches:
         traces = trace_grid(common.parse_ints(f.trace_devices),
                             common.parse_ints(f.trace_microbatches),
                             executions=[e for e in f.trace_executions.split(",") if e])
     result = {
-        "machine": info, "model": model, "timing": timing, "speedup": rows, "trace": traces,
+        "machine": info, "model": model, "timing": {**timing, "recompute": recomputes},
+        "speedup": rows, "trace": traces,
         "goal": goal_summary(rows), "loop_trace_growth": trace_flatness(traces),
         "trace_growth": trace_growth(traces),
         "zero_bubble": zero_bubble_summary(rows), "loop_throughput": loop_throughput(rows),
+        "recompute_cost": recompute_cost(rows),
         "wall_s": time.perf_counter() - start,
     }
     out = common.write_json(f.out, result)
@@ -705,7 +774,7 @@ def main(argv):
         print(trace_table(traces))
     print(f"goal (K=2, M>=8, measured/ideal >= {GOAL}): {result['goal']}")
     print(f"trace time, largest M / smallest M: {result['trace_growth']}")
-    for entry in result["zero_bubble"] + result["loop_throughput"]:
+    for entry in result["zero_bubble"] + result["loop_throughput"] + result["recompute_cost"]:
         print(", ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
                         for key, value in entry.items()))
     print(f"wrote {out} and {png} in {result['wall_s']:.0f} s")
@@ -720,10 +789,16 @@ def _define_flags():
     flags.DEFINE_integer("width", DEFAULT_MODEL["width"], "Dense layer width.")
     flags.DEFINE_integer("layers", DEFAULT_MODEL["layers"],
                          "Dense layers in all (a multiple of every stage count).")
-    flags.DEFINE_string("recompute", "never", "Recompute mode of the speed-up runs.")
+    flags.DEFINE_string("recompute", "never",
+                        "Recompute modes of the speed-up runs, comma-separated (one row "
+                        "each, each in its own child).")
+    flags.DEFINE_string("compare_recompute", "",
+                        "Recompute modes timed beside each row's pipeline in its child "
+                        "(comma-separated); `recompute_cost` gives their throughput over "
+                        "the row's.")
     flags.DEFINE_string("executions", "unrolled",
-                        "Executions of the speed-up runs (unrolled, loop: needs "
-                        "--recompute=always).")
+                        "Executions of the speed-up runs (unrolled, stage_functions, loop: "
+                        "runs only under recompute 'always').")
     flags.DEFINE_integer("repeats", 5, "Timed runs per model; the median is reported.")
     flags.DEFINE_integer("steps", 3, "Steps per timed run.")
     flags.DEFINE_integer("warmup", 2, "Untimed calls per model (the first traces).")

@@ -51,8 +51,11 @@ def test_ideal_speedups():
             schedules.ideal_speedup(k, m))
     # Interleaving shrinks the bubble; recompute lowers what can be reached.
     assert schedules.simulated_speedup("interleaved", 2, 8) > schedules.ideal_speedup(2, 8)
-    assert (schedules.simulated_speedup("gpipe", 2, 8, recompute="always")
-            < schedules.ideal_speedup(2, 8))
+    # Serial work 2 * 8 * 3 = 48 over the makespans 27, 35 and 36 (F=1, B=2;
+    # a replayed micro-batch pays F again; except_last keeps the last one).
+    for recompute, makespan in (("never", 27), ("except_last", 35), ("always", 36)):
+        assert schedules.simulated_speedup("gpipe", 2, 8, recompute) == pytest.approx(
+            48 / makespan)
     assert not schedules.valid("interleaved", 4, 2, layers=8)
     assert schedules.valid("interleaved", 2, 4, layers=8)
 
@@ -72,6 +75,22 @@ def test_measure_step_in_process():
     json.dumps(result)  # what a child prints must be JSON
 
 
+@pytest.mark.slow
+def test_measure_step_times_other_recompute_modes_beside_the_pipeline():
+    result = schedules.measure_step(2, 2, "gpipe", recompute="except_last",
+                                    execution="stage_functions", batch=16, width=8, layers=2,
+                                    warmup=1, repeats=3, steps=1, baselines=("plain",),
+                                    compare_recompute=("always", "never"))
+    for mode in ("always", "never"):
+        runs = result[f"tfpipe[{mode}]"]["runs_ms"]
+        assert len(runs) == 3 and min(runs) > 0
+        pairs = sorted(a / b for a, b in zip(result["tfpipe"]["runs_ms"], runs))
+        assert result["recompute_pairs"][mode] == pytest.approx(pairs[1])
+    assert set(result["speedup"]) == {"plain"}  # the compared pipelines are not baselines
+    assert result["config"]["compare_recompute"] == ["always", "never"]
+    json.dumps(result)
+
+
 @pytest.mark.parametrize("schedule, kinds", [
     pytest.param("1f1b", {"F", "B"}, marks=pytest.mark.slow), ("zbh1", {"F", "I", "W"})])
 def test_measure_step_records_a_step_and_simulates_it_on_its_costs(schedule, kinds):
@@ -82,6 +101,53 @@ def test_measure_step_records_a_step_and_simulates_it_on_its_costs(schedule, kin
     assert recorded["span_ms"] > 0 and recorded["predicted_span_ms"] > 0
     assert 0.0 <= recorded["predicted_bubble"] < 1.0 and 0.0 <= recorded["measured_bubble"] < 1.0
     json.dumps(result)
+
+
+@pytest.mark.parametrize("executions, recomputes, expected", [
+    (("unrolled",), ("never",), [(2, 8, "1f1b", "unrolled", "never")]),
+    (("stage_functions",), ("except_last", "always"),
+     [(2, 8, "1f1b", "stage_functions", "except_last"),
+      (2, 8, "1f1b", "stage_functions", "always")]),
+    # The loop keeps only stage inputs: it runs "always" alone.
+    (("unrolled", "loop"), ("never", "always"),
+     [(2, 8, "1f1b", "unrolled", "never"), (2, 8, "1f1b", "unrolled", "always"),
+      (2, 8, "1f1b", "loop", "always")]),
+    (("loop",), ("never",), []),
+])
+def test_grid_configs_run_every_recompute_mode_each_execution_can(executions, recomputes,
+                                                                  expected):
+    assert schedules.grid_configs([2], [8], ["1f1b"], executions, recomputes) == expected
+
+
+def _summary_row(schedule, speedup, ideal_sim, recompute=None, execution="unrolled"):
+    return {"num_devices": 2, "num_microbatches": 8, "schedule": schedule,
+            "execution": execution, "recompute": recompute, "speedup": speedup,
+            "ideal_sim": ideal_sim, "ratio_to_ideal": speedup / ideal_sim,
+            "result": {"timeline": None}}
+
+
+def test_recompute_cost_reads_the_pairs_timed_in_one_child():
+    rows = [_summary_row("1f1b", 1.30, 48 / 34, "except_last", "stage_functions"),
+            _summary_row("gpipe", 1.30, 48 / 35, "except_last")]  # not compared
+    rows[0]["result"]["recompute_pairs"] = {"always": 1.02, "never": 0.8}
+    assert schedules.recompute_cost(rows) == [
+        {"num_devices": 2, "num_microbatches": 8, "schedule": "1f1b",
+         "execution": "stage_functions", "recompute": "except_last", "against": mode,
+         "measured": measured, "simulated": pytest.approx(simulated)}
+        # Simulated makespans (F=1, B=2): except_last 34, always 36, never 27.
+        for mode, measured, simulated in (("always", 1.02, 34 / 36), ("never", 0.8, 34 / 27))]
+
+
+def test_summaries_keep_recompute_modes_apart():
+    rows = [_summary_row("1f1b", 1.6, 1.78, "never"), _summary_row("zbh1", 1.8, 1.92, "never"),
+            _summary_row("1f1b", 1.2, 1.33, "always"), _summary_row("zbh1", 1.5, 1.41, "always"),
+            _summary_row("1f1b", 1.1, 1.33, "always", "loop")]
+    assert [(e["recompute"], e["zbh1_over_1f1b"]) for e in schedules.zero_bubble_summary(rows)] \
+        == [("always", pytest.approx(1.5 / 1.2)), ("never", pytest.approx(1.8 / 1.6))]
+    # The loop (always) against the unrolled form under the same mode only.
+    assert schedules.loop_throughput(rows) == [
+        {"num_devices": 2, "num_microbatches": 8, "schedule": "1f1b",
+         "loop_over_unrolled": pytest.approx(1.1 / 1.2)}]
 
 
 def test_zero_bubble_summary_adds_the_split_gain_where_zbh1_was_recorded():
