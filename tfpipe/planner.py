@@ -403,8 +403,8 @@ def _evaluate(graph, units, tensor_bytes, rows_measured, batch_size, m, schedule
     if timed:  # the simulator adds each replayed micro-batch's forward to its backward
         sim = schedules.simulate(schedule, m, d_count, forward_cost=forward,
                                  backward_cost=backward, recompute=mode)
-    else:  # no times: equal stages, for the bubble and the order of actions
-        sim = schedules.simulate(schedule, m, d_count)
+    else:  # no times: equal stages (F=1, B=2, replays priced), for the bubble and order
+        sim = schedules.simulate(schedule, m, d_count, recompute=mode)
     stage_peak, device_act, host_act = _activation_peaks(sim, info, mode, m, k_count)
     stage_device = [schedule.stage_device(s, d_count) for s in range(k_count)]
     device_peak = list(device_act)
