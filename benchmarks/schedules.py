@@ -32,12 +32,14 @@ Ideals, printed beside the measurement: K*M/(M+K-1) (GPipe, equal stages,
 no communication cost) and the schedule's own ideal from
 `tfpipe.schedules.simulate` (serial work / simulated makespan, backward =
 2x forward; a micro-batch the recompute mode replays pays its forward again).
-`--recompute` takes a list (a row per mode). `--compare_recompute` times
-the same pipeline under other modes in each row's child, alternating with it;
-`recompute_cost` gives their throughput over the row's, measured (paired per
-repeat, so drift between children cannot enter) and simulated. On a machine with fewer cores than K devices
-no schedule can beat the core count, so `ratio_to_bound` also divides by
-min(ideal, usable cores).
+On a machine with fewer cores than K devices no schedule can beat the core
+count, so `ratio_to_bound` also divides by min(ideal, usable cores).
+
+Recompute modes. `--recompute` takes a list (a row per mode).
+`--compare_recompute` times the same pipeline under other modes in each row's
+child, alternating with it; `recompute_cost` gives their throughput over the
+row's, measured (paired per repeat, so drift between children cannot enter)
+and simulated.
 
 Trace time. For M in `--trace_microbatches` and each of `--trace_executions`
 ("unrolled", "stage_functions", "loop"; all recompute="always"), a fresh child
@@ -487,7 +489,8 @@ def _speedup_line(row):
         return (f"K={row['num_devices']} M={row['num_microbatches']:<3} "
                 f"{row['schedule']:<11} ERROR {common.error_line(r)}")
     return (f"K={row['num_devices']} M={row['num_microbatches']:<3} {row['schedule']:<11} "
-            f"{row.get('execution', 'unrolled'):<8} {row.get('recompute') or '':<11} plain {r['plain']['step_ms']:8.1f} ms  tfpipe {r['tfpipe']['step_ms']:8.1f} ms  "
+            f"{row.get('execution', 'unrolled'):<8} {row.get('recompute') or '':<11} "
+            f"plain {r['plain']['step_ms']:8.1f} ms  tfpipe {r['tfpipe']['step_ms']:8.1f} ms  "
             f"speed-up {row['speedup']:.2f} (ideal {row['ideal']:.2f}, sim {row['ideal_sim']:.2f})"
             f"  measured/ideal {row['ratio_to_ideal']:.2f}  cpu/wall "
             f"{r['tfpipe']['cpu_per_wall']:.2f}"
@@ -505,8 +508,8 @@ def _trace_line(row):
 
 
 def speedup_table(rows):
-    headers = ["K", "M", "schedule", "execution", "recompute", "plain ms", "tfpipe ms", "speed-up", "ideal K*M/(M+K-1)",
-               "ideal (simulated)", "measured / simulated ideal",
+    headers = ["K", "M", "schedule", "execution", "recompute", "plain ms", "tfpipe ms",
+               "speed-up", "ideal K*M/(M+K-1)", "ideal (simulated)", "measured / simulated ideal",
                "measured / min(simulated ideal, cores)",
                "cpu/wall", "vs plain (threaded)"]
     body = []
@@ -514,11 +517,12 @@ def speedup_table(rows):
         r = row["result"]
         if "error" in r:
             body.append([str(row["num_devices"]), str(row["num_microbatches"]),
-                         row["schedule"], *_key(row, "execution", "recompute"), "error", "-", "-", row["ideal"], row["ideal_sim"],
-                         "-", "-", "-", "-"])
+                         row["schedule"], *_key(row, "execution", "recompute"), "error", "-",
+                         "-", row["ideal"], row["ideal_sim"], "-", "-", "-", "-"])
             continue
         body.append([str(row["num_devices"]), str(row["num_microbatches"]), row["schedule"],
-                     *_key(row, "execution", "recompute"), common.fmt(r["plain"]["step_ms"], 1), common.fmt(r["tfpipe"]["step_ms"], 1),
+                     *_key(row, "execution", "recompute"), common.fmt(r["plain"]["step_ms"], 1),
+                     common.fmt(r["tfpipe"]["step_ms"], 1),
                      row["speedup"], row["ideal"], row["ideal_sim"], row["ratio_to_ideal"],
                      row["ratio_to_bound"], r["tfpipe"]["cpu_per_wall"],
                      row["speedup_vs_threaded"]])
