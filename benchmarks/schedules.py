@@ -489,7 +489,7 @@ def _speedup_line(row):
         return (f"K={row['num_devices']} M={row['num_microbatches']:<3} "
                 f"{row['schedule']:<11} ERROR {common.error_line(r)}")
     return (f"K={row['num_devices']} M={row['num_microbatches']:<3} {row['schedule']:<11} "
-            f"{row.get('execution', 'unrolled'):<8} {row.get('recompute') or '':<11} "
+            f"{_key(row, 'execution')[0]:<8} {_key(row, 'recompute')[0]:<11} "
             f"plain {r['plain']['step_ms']:8.1f} ms  tfpipe {r['tfpipe']['step_ms']:8.1f} ms  "
             f"speed-up {row['speedup']:.2f} (ideal {row['ideal']:.2f}, sim {row['ideal_sim']:.2f})"
             f"  measured/ideal {row['ratio_to_ideal']:.2f}  cpu/wall "
@@ -633,7 +633,7 @@ def zero_bubble_summary(rows):
     """At each (K, M): ZB-H1's speed-up over 1F1B's (both against the plain
     model in their own child), and ZB-V's measured / simulated ideal."""
     out = []
-    unrolled = [r for r in rows if r.get("execution", "unrolled") == "unrolled"
+    unrolled = [r for r in rows if _key(r, "execution") == ("unrolled",)
                 and r.get("speedup")]
     for k, m, recompute in sorted({_key(r, "num_devices", "num_microbatches", "recompute")
                                    for r in unrolled}):
@@ -679,7 +679,7 @@ def loop_throughput(rows):
     out = []
     fields = ("num_devices", "num_microbatches", "schedule", "recompute")
     for key in sorted({_key(r, *fields) for r in rows}):
-        at = {r.get("execution", "unrolled"): r for r in rows
+        at = {_key(r, "execution")[0]: r for r in rows
               if _key(r, *fields) == key and r.get("speedup")}
         if "loop" in at and "unrolled" in at:
             out.append({"num_devices": key[0], "num_microbatches": key[1],

@@ -22,12 +22,7 @@ from tfpipe import schedules
 # arithmetic's (pure Python, so the simulator prices them without TensorFlow).
 RECOMPUTE_MODES = schedules.RECOMPUTE_MODES
 should_recompute = schedules.is_recomputed
-
-
-def validate(mode):
-    """Returns `mode` if it names a recompute policy, else raises ValueError."""
-    schedules.is_recomputed(mode, 0, 1)
-    return mode
+validate = schedules.validate_recompute
 
 
 EXECUTIONS = ("unrolled", "stage_functions", "loop")

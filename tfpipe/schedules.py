@@ -131,10 +131,8 @@ _RULES = "; ".join(kind.rule for kind in KINDS.values() if kind.rule) + "."
 RECOMPUTE_MODES = ("always", "except_last", "never")
 
 
-def is_recomputed(mode, microbatch, num_microbatches):
-    """Whether micro-batch `microbatch` (0-based) of M replays its forward
-    under recompute `mode`: every one for "always", all but the last for
-    "except_last" (its activations are still there), none for "never"."""
+def validate_recompute(mode):
+    """Returns `mode` if it names a recompute policy, else raises ValueError."""
     if mode not in RECOMPUTE_MODES:
         raise ValueError(
             f"Unknown recompute mode {mode!r}. Use one of {list(RECOMPUTE_MODES)}: "
@@ -142,6 +140,14 @@ def is_recomputed(mode, microbatch, num_microbatches):
             f"'except_last' all but the last micro-batch (as torchgpipe), "
             f"'never' keeps all activations."
         )
+    return mode
+
+
+def is_recomputed(mode, microbatch, num_microbatches):
+    """Whether micro-batch `microbatch` (0-based) of M replays its forward
+    under recompute `mode`: every one for "always", all but the last for
+    "except_last" (its activations are still there), none for "never"."""
+    validate_recompute(mode)
     if mode == "always":
         return True
     if mode == "except_last":
@@ -755,7 +761,7 @@ def _cost_function(forward_cost, backward_cost, weight_cost, virtual_stages,
             own += by_name("forward", action.stage)
         return own
 
-    is_recomputed(recompute, 0, 1)  # a bad mode fails before any action is priced
+    validate_recompute(recompute)  # a bad mode fails before any action is priced
     return cost
 
 
