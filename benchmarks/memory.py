@@ -229,9 +229,9 @@ def measure_memory(layers, width, batch, num_microbatches=1, recompute="never",
     }
     if step:
         # As fit calls it: a step of stage functions, and its trace, run with
-        # grappler's function optimiser off (`tfpipe.runtime.call_scope`).
+        # grappler's function optimiser off (`tfpipe.stage.call_scope`).
         with (contextlib.nullcontext() if plain
-              else tfpipe.runtime.call_scope(model.execution)):
+              else tfpipe.stage.call_scope(model.pipeline_config.traits)):
             # As Keras' fit traces it: without AutoGraph (it would convert tfpipe's
             # own Python, which fit never does, and inflate the trace time).
             fn = tf.function(lambda a, b: model.train_step((a, b)), autograph=False)

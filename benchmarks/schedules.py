@@ -151,7 +151,7 @@ def _build_pipelined(num_devices, num_microbatches, schedule, recompute, executi
             input_shape=(None, width))
         model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
     # One op at a time per device, in trace order: an accelerator stream.
-    model.pipeline.serialize_ops = serialize_ops
+    model.set_trace_options(serialize_ops=serialize_ops)
     return model
 
 
@@ -181,7 +181,7 @@ class _Timed:
         # As Keras' fit traces and calls it: without AutoGraph (it would
         # convert tfpipe's own Python, which fit never does, and inflate the
         # trace time), in the execution's call scope.
-        self._scope = (functools.partial(tfpipe.runtime.call_scope, model.execution)
+        self._scope = (functools.partial(tfpipe.stage.call_scope, model.pipeline_config.traits)
                        if isinstance(model, tfpipe.PipelinedModel) else contextlib.nullcontext)
         # Each trace is a fresh tf.function of the same model: `trace_s` is
         # their median (one trace swings by a garbage collection or two).

@@ -1,37 +1,62 @@
 """tfpipe: GPipe-style pipeline-parallel training for TensorFlow 2 / Keras 3.
 
-Module map (data flows down): `strategy` (devices) and `config` (the one
-owner of M, schedule, recompute, execution, BatchNorm mode) -> `placement`
-(where variables live) -> `graph` (a model as units; cutting it) and
-`partition` (which units form a stage) -> `schedules` (in what order stages
-run) -> `microbatch` (scatter/gather), `boundary` (masks and logits across
-stages), `loss` (the compiled loss split exactly), `batchnorm` (deferred BN)
-and `recompute` (re-materialisation) -> `engine` / `loop` (one step in a
-tf.function) -> `model` (`PipelinedModel`, the Keras face).
+The public surface is what `__all__` names: `PipelineStrategy` (devices),
+`PipelinedModel` (the Keras face), `PipelineConfig` and `config` (the one
+owner of M, schedule, recompute, execution and BatchNorm mode),
+`schedules` (schedules as data), `plan` (what a configuration costs),
+`load_model` and `to_keras` (layouts), `profile` (a measured step),
+`StepWatchdog`, `watchdog` and `cluster` (several hosts), `testing`
+(logical CPU devices). The other modules are the implementation.
+
+Names are imported when first used (PEP 562), so `import tfpipe.config,
+tfpipe.schedules` does not start TensorFlow: `launch/` checks its flags with
+them before TensorFlow loads.
+
+Module map (calls go down): `model` (Keras face) -> `engine` (a pipeline;
+builds the `step_plan`) -> `unrolled` / `loop` (backends: how a step is
+walked) -> `runtime` (the action interpreter) -> `stage` (one stage's
+forward, backward and replay) -> `boundary`, `loss`, `batchnorm`,
+`recompute`, `gradients`, `microbatch` -> `schedules` / `simulation` /
+`actions` and `config` (pure Python) and `_internal` (every private TF/Keras
+API).
 """
 
-from tfpipe import testing
-from tfpipe import schedules
-from tfpipe import profile
-from tfpipe import graph
-from tfpipe import partition
-from tfpipe import batchnorm
-from tfpipe import placement
-from tfpipe import config
-from tfpipe import devices
-from tfpipe import tpu
-from tfpipe import xla
-from tfpipe.config import PipelineConfig
-from tfpipe.strategy import PipelineStrategy
-from tfpipe.model import PipelinedModel
-from tfpipe.planner import Plan, plan
-from tfpipe import layout
-from tfpipe.layout import load_model, to_keras
-from tfpipe import cluster
-from tfpipe.watchdog import StepWatchdog
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["PipelineStrategy", "PipelinedModel", "PipelineConfig", "config", "testing", "schedules", "profile", "partition",
-           "placement", "graph", "batchnorm", "layout", "load_model", "to_keras", "devices",
-           "tpu", "xla", "plan", "Plan", "cluster", "StepWatchdog", "__version__"]
+# public name -> (module, attribute or None for the module itself)
+_PUBLIC = {
+    "PipelineStrategy": ("tfpipe.strategy", "PipelineStrategy"),
+    "PipelinedModel": ("tfpipe.model", "PipelinedModel"),
+    "PipelineConfig": ("tfpipe.config", "PipelineConfig"),
+    "plan": ("tfpipe.planner", "plan"),
+    "Plan": ("tfpipe.planner", "Plan"),
+    "load_model": ("tfpipe.layout", "load_model"),
+    "to_keras": ("tfpipe.saving", "to_keras"),
+    "StepWatchdog": ("tfpipe.watchdog", "StepWatchdog"),
+}
+_PUBLIC_MODULES = ("config", "schedules", "profile", "watchdog", "cluster", "testing")
+
+__all__ = sorted(_PUBLIC) + list(_PUBLIC_MODULES) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        module, attribute = _PUBLIC[name]
+        value = getattr(importlib.import_module(module), attribute)
+    elif not name.startswith("__"):
+        try:  # a module of the package (public, or the implementation's)
+            value = importlib.import_module(f"tfpipe.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"tfpipe.{name}":
+                raise
+            raise AttributeError(f"module 'tfpipe' has no attribute {name!r}") from None
+    else:
+        raise AttributeError(f"module 'tfpipe' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

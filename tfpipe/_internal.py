@@ -476,3 +476,50 @@ def compiled_loss_structures(compile_loss):
 def user_loss(compile_loss):
     """The `loss` argument given to `compile`."""
     return compile_loss._user_loss  # pylint: disable=protected-access
+
+
+# -- the Keras model's own state ------------------------------------------------
+
+
+def set_distribute_strategy(model, strategy):
+    """Makes Keras' fit/evaluate/predict of `model` run under `strategy`
+    (Keras reads the model's `_distribute_strategy`)."""
+    model._distribute_strategy = strategy  # pylint: disable=protected-access
+
+
+def compiled_loss(model):
+    """The `CompileLoss` Keras built from `compile(loss=...)`, or None."""
+    return getattr(model, "_compile_loss", None)
+
+
+def loss_tracker(model):
+    """The `Mean` metric Keras reports as `loss`."""
+    return model._loss_tracker  # pylint: disable=protected-access
+
+
+def jit_compile(model):
+    """The `jit_compile` setting Keras resolved at `compile` (None before)."""
+    return getattr(model, "_jit_compile", None)
+
+
+def call_context_args(layer):
+    """The call arguments a Keras layer takes from its call context
+    (`training`, ...): a functional model passes those down."""
+    return getattr(layer, "_call_context_args", ())
+
+
+class CheckpointAs:
+    """Mixin for a Keras model: `tf.train.Checkpoint` saves
+    `self.checkpoint_children()` (a dict of trackables) as its children.
+    Keras 3 would list none: its variables would be saved only through an
+    optimizer, and the non-trainable ones not at all."""
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        if save_type != "checkpoint":
+            return super()._trackable_children(save_type, **kwargs)
+        return self.checkpoint_children()
+
+
+def checkpoint_children(trackable):
+    """What `tf.train.Checkpoint` saves as `trackable`'s children."""
+    return trackable._trackable_children("checkpoint")  # pylint: disable=protected-access

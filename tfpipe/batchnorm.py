@@ -42,20 +42,6 @@ import tensorflow as tf
 
 from tfpipe import _internal
 
-BATCH_NORM_MODES = ("deferred", "plain")
-
-
-def validate_mode(batch_norm):
-    """Returns `batch_norm` if it names a mode, else raises ValueError."""
-    if batch_norm not in BATCH_NORM_MODES:
-        raise ValueError(
-            f"Unknown batch_norm {batch_norm!r}. Use 'deferred' (moving statistics "
-            f"updated once per mini-batch with its statistics, as full-batch "
-            f"training) or 'plain' (keep BatchNormalization as it is: M updates per "
-            f"step)."
-        )
-    return batch_norm
-
 
 def batch_norm_layers(stage):
     """Every `keras.layers.BatchNormalization` in `stage`, nested ones included."""
@@ -101,39 +87,51 @@ class Moments:
 
 
 class Recorder:
-    """Records BatchNormalization moments while a stage's forward is traced.
+    """Records a stage's BatchNormalization moments while its forward is traced.
 
-    `with recorder.forward(k, weight) as calls:` installs the interception on
-    stage k's BN layers; `calls` fills with one `Moments` per training BN call,
-    in call order, its count multiplied by `weight` (0 for a micro-batch that
-    stands in for an empty one). Inactive (plain mode, or M = 1), it records
-    nothing.
+    `with recorder.forward(weight) as moments:` installs the interception on
+    the stage's BN layers; `moments` fills with one `Moments` per training BN
+    call, in call order, its count multiplied by `weight` (0 for a
+    micro-batch that stands in for an empty one). Inactive (plain mode, or
+    M = 1), it records nothing.
     """
 
-    def __init__(self, stages, active):
-        self.active = active
-        self.layers = [batch_norm_layers(s) if active else [] for s in stages]
+    def __init__(self, stage, active):
+        self.layers = batch_norm_layers(stage) if active else []
 
     @contextlib.contextmanager
-    def forward(self, k, weight=1.0):
-        calls = []
-        if not self.layers[k]:
-            yield calls
+    def forward(self, weight=1.0):
+        moments = []
+        if not self.layers:
+            yield moments
             return
         with contextlib.ExitStack() as stack:
-            for layer in self.layers[k]:
+            for layer in self.layers:
                 def record(inputs, mask, mean, variance, layer=layer):
-                    calls.append(Moments(layer, _count(layer, inputs, mask) * weight,
-                                         tf.cast(mean, tf.float32),
-                                         tf.cast(variance, tf.float32)))
+                    moments.append(Moments(layer, _count(layer, inputs, mask) * weight,
+                                           tf.cast(mean, tf.float32),
+                                           tf.cast(variance, tf.float32)))
                 stack.enter_context(_internal.intercept_moments(layer, record))
-            yield calls
+            yield moments
 
     def before_step(self):
         """The moving statistics before the step: read them first."""
         return {id(layer): (tf.identity(layer.moving_mean.value),
                             tf.identity(layer.moving_variance.value))
-                for layers in self.layers for layer in layers}
+                for layer in self.layers}
+
+
+def empty_microbatch_guard(batch):
+    """With plain BatchNorm a stand-in for an empty micro-batch would update
+    the moving statistics: such a batch (fewer rows than M) is refused at
+    run time. Returns the assert op."""
+    return tf.debugging.assert_greater_equal(
+        batch.split.num_rows, batch.num_microbatches, message=(
+            f"a batch has fewer rows than num_microbatches="
+            f"{batch.num_microbatches}: with batch_norm='plain' the empty "
+            f"micro-batches would update BatchNormalization's moving statistics. "
+            f"Use batch_norm='deferred', or batches of at least "
+            f"{batch.num_microbatches} rows (drop_remainder=True)."))
 
 
 def _count(layer, inputs, mask):

@@ -17,16 +17,110 @@ BatchNorm, M sets the micro-batch the normalisation sees).
 
 An execution nobody gives is chosen from M and the schedule
 (`default_execution`) every time a config is made, and saved as unset, so a
-model loaded at another M gets that M's choice.
+model loaded at another M gets that M's choice. What an execution can do is
+data (`Execution`, `EXECUTIONS`): the engine and the runtime read its traits,
+never its name. Pure Python: `launch/` validates its flags with these rules
+before TensorFlow starts.
 """
 
 import dataclasses
 
-from tfpipe import batchnorm
-from tfpipe import recompute as recompute_lib
 from tfpipe import schedules
 
 FIELDS = ("num_microbatches", "schedule", "recompute", "execution", "batch_norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """What one way of running a step can do; the runtime reads these traits.
+
+    Attributes:
+      name: "unrolled", "stage_functions" or "loop".
+      recompute_modes: the recompute modes it can run.
+      default_recompute: the mode of a config that gives none.
+      stage_functions: each stage is traced once per step as a `tf.function`
+        that every action calls (`tfpipe.stage.StageFunction`).
+      holds_weight_gradients: a split backward's W can run apart from its I;
+        where not, I and W are lowered into one B
+        (`tfpipe.actions.merge_split_backward`).
+      holds_ops_in_graph: a split backward is built whole at I and its
+        weight-only ops held back to W's place; where not, I and W each
+        replay the stage.
+      in_loop: the actions run inside one `tf.while_loop`.
+      description: for the error that lists the executions.
+    """
+
+    name: str
+    recompute_modes: tuple
+    default_recompute: str
+    stage_functions: bool
+    holds_weight_gradients: bool
+    holds_ops_in_graph: bool
+    in_loop: bool
+    description: str
+
+
+EXECUTIONS = {e.name: e for e in (
+    Execution("unrolled", schedules.RECOMPUTE_MODES, "except_last", stage_functions=False,
+              holds_weight_gradients=True, holds_ops_in_graph=True, in_loop=False,
+              description="every action traced; all recompute modes"),
+    Execution("stage_functions", schedules.RECOMPUTE_MODES, "except_last",
+              stage_functions=True, holds_weight_gradients=False, holds_ops_in_graph=False,
+              in_loop=False, description="every action called, each stage traced once as "
+                                         "a tf.function; all recompute modes"),
+    Execution("loop", ("always",), "always", stage_functions=False,
+              holds_weight_gradients=True, holds_ops_in_graph=False, in_loop=True,
+              description="a tf.while_loop over clock ticks; graph size independent of "
+                          "num_microbatches; recompute='always'"),
+)}
+BATCH_NORM_MODES = ("deferred", "plain")
+
+
+def execution(name):
+    """The `Execution` named `name`; a ValueError naming the choices otherwise."""
+    if name not in EXECUTIONS:
+        raise ValueError(
+            f"Unknown execution {name!r}. Use 'unrolled' (every action traced; "
+            f"all recompute modes), 'stage_functions' (every action called, each stage "
+            f"traced once as a tf.function; all recompute modes) or 'loop' (a "
+            f"tf.while_loop over clock ticks; graph size independent of "
+            f"num_microbatches; recompute='always'), or leave it unset (None) for "
+            f"tfpipe's choice (tfpipe.config.default_execution)."
+        )
+    return EXECUTIONS[name]
+
+
+def resolve_recompute(mode, execution_name):
+    """The recompute mode to use: `mode`, or the default for the execution.
+
+    The unrolled step (with or without stage functions) defaults to
+    "except_last"; the loop form keeps only stage inputs, so it is always
+    "always" (and rejects other modes).
+    """
+    traits = execution(execution_name)
+    if mode is None:
+        return traits.default_recompute
+    mode = schedules.validate_recompute(mode)
+    if mode not in traits.recompute_modes:
+        raise ValueError(
+            f"execution='loop' keeps only stage inputs and recomputes every stage in "
+            f"the backward pass, so it needs recompute='always' (got recompute="
+            f"{mode!r}). Use recompute='always' (or leave it unset), or "
+            f"execution='unrolled' for {mode!r}."
+        )
+    return mode
+
+
+def validate_batch_norm(batch_norm):
+    """Returns `batch_norm` if it names a mode, else raises ValueError."""
+    if batch_norm not in BATCH_NORM_MODES:
+        raise ValueError(
+            f"Unknown batch_norm {batch_norm!r}. Use 'deferred' (moving statistics "
+            f"updated once per mini-batch with its statistics, as full-batch "
+            f"training) or 'plain' (keep BatchNormalization as it is: M updates per "
+            f"step)."
+        )
+    return batch_norm
 
 
 def validate_num_microbatches(num_microbatches):
@@ -103,11 +197,16 @@ class PipelineConfig:
         return cls(
             num_microbatches=num_microbatches,
             schedule=schedule,
-            recompute=recompute_lib.resolve(recompute, execution),
+            recompute=resolve_recompute(recompute, execution),
             execution=execution,
-            batch_norm=batchnorm.validate_mode("deferred" if batch_norm is None else batch_norm),
+            batch_norm=validate_batch_norm("deferred" if batch_norm is None else batch_norm),
             execution_chosen=chosen,
         )
+
+    @property
+    def traits(self):
+        """The `Execution` this config runs (its traits, read by the runtime)."""
+        return EXECUTIONS[self.execution]
 
     def settings(self):
         """The settings as given, a dict of plain values (the schedule as an

@@ -1,14 +1,15 @@
 """Where a stage runs: one object for every kind of device.
 
 Every place tfpipe puts a stage's variables or ops (building the stages, each
-action of a step in both executions, the loss, the deferred BatchNorm update)
-enters `scope(device)`. A device is either
+action of a step in every execution, the loss, the deferred BatchNorm update)
+enters a `StageDevice`'s `scope()`; the engine turns the strategy's device
+names into `StageDevice`s (`as_stage_device`), so a new kind of device is
+one class here, not a branch elsewhere:
 
-  a device name (str): a CPU, a GPU or a remote task's device, as
+  `StageDevice(name)`: a CPU, a GPU or a remote task's device, as
     `tfpipe.placement.canonical_device` resolved it; the scope is
     `tf.device(name)`;
-  a `StageDevice`: an object with `.name` and `.scope()`. `LogicalCore(strategy,
-    k)` is logical core k of each replica of a `tf.distribute.TPUStrategy`;
+  `LogicalCore(strategy, k)` is logical core k of each replica of a `tf.distribute.TPUStrategy`;
     its scope is `strategy.extended.experimental_logical_device(k)`, which
     places variables (a TPU-mirrored variable over the replicas, on core k)
     and, inside `strategy.run`, ops (`tf.device(tpu.core(k))`). Logical core k
@@ -79,17 +80,22 @@ class LogicalCore(StageDevice):
         return hash(("LogicalCore", id(self.strategy), self.index))
 
 
-def scope(device):
-    """The placement scope of `device` (a name or a `StageDevice`)."""
+def as_stage_device(device):
+    """`device` as a `StageDevice`: a name becomes the plain kind."""
     if isinstance(device, StageDevice):
-        return device.scope()
+        return device
     if isinstance(device, str):
-        return tf.device(device)
+        return StageDevice(device)
     raise ValueError(
         f"A stage device must be a device name (str) or a tfpipe.devices.StageDevice, "
         f"got {type(device).__name__}: {device!r}.")
 
 
+def scope(device):
+    """The placement scope of `device` (a name or a `StageDevice`)."""
+    return as_stage_device(device).scope()
+
+
 def name(device):
     """The printable name of `device` (a name or a `StageDevice`)."""
-    return device.name if isinstance(device, StageDevice) else device
+    return as_stage_device(device).name

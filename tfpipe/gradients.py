@@ -13,6 +13,7 @@ once, so micro-batch slices are merged row by row (`merge_rows`).
 import tensorflow as tf
 
 from tfpipe import _internal
+from tfpipe import replicas
 
 
 def add_gradients(acc, grad):
@@ -89,3 +90,50 @@ def scale_gradient(grad, factor):
         return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype),
                                 grad.indices, grad.dense_shape)
     return grad * tf.cast(factor, grad.dtype)
+
+
+def add_regularization(variables, grads, scale, scope_of):
+    """Adds each weight regulariser's gradient to `grads` (in place), once per
+    step, under `scope_of(i)` (variable i's home stage); returns the summed
+    regularisation loss (float32 scalar, None without regularisers). With R
+    data-parallel replicas each adds 1/R of it (their gradients are summed).
+    `scale` is the loss scale (Keras' `optimizer.scale_loss` of 1)."""
+    total = []
+    share = 1.0 / replicas.num_replicas()
+    scale = scale * share
+    for i, v in enumerate(variables):
+        regularizer = getattr(v, "regularizer", None)
+        if regularizer is None:
+            continue
+        with scope_of(i):
+            with tf.GradientTape() as tape:
+                value = tf.cast(regularizer(v), tf.float32)
+                target = value * scale
+            grads[i] = add_gradients(grads[i], tape.gradient(target, v))
+            total.append(value * share)
+    return tf.add_n(total) if total else None
+
+
+def check_reached(table, grads, stage_names, model_name):
+    """Raises ValueError naming every trainable variable no gradient reached.
+
+    Args:
+      table: the step's `tfpipe.step_plan.VariableTable`; grads: one
+        gradient per its variable (None: unreached).
+      stage_names: the stages' names; model_name: the model's.
+    """
+    missing = {}
+    for i, (v, g) in enumerate(zip(table.variables, grads)):
+        if g is None:
+            missing.setdefault(table.home(i), []).append(v.path)
+    if not missing:
+        return
+    where = "; ".join(f"stage {k} ({stage_names[k]!r}): {paths}"
+                      for k, paths in sorted(missing.items()))
+    raise ValueError(
+        f"No gradient reaches {sum(len(p) for p in missing.values())} trainable "
+        f"variable(s) in a training step of {model_name!r}: {where}. Keras would "
+        f"only warn and leave them unchanged; tfpipe stops rather than train "
+        f"silently wrong. If they should stay fixed, set trainable=False on their "
+        f"layers before compile; otherwise make the loss depend on them (a loss "
+        f"for every output they feed, no stop_gradient on the way).")

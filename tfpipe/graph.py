@@ -98,7 +98,7 @@ def call_unit(op, args, kwargs, env, training):
     not None it replaces the value recorded at that call.
     """
     args, kwargs = fill(args, env), fill(kwargs, env)
-    if training is not None and "training" in getattr(op, "_call_context_args", ()):
+    if training is not None and "training" in _internal.call_context_args(op):
         kwargs["training"] = training
     return op(*args, **kwargs)
 

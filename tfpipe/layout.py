@@ -1,82 +1,25 @@
-"""Moving a model between layouts: back to plain Keras, or to another number of stages.
+"""Loading a saved model at another layout: `load_model`.
 
-A pipelined model's stages are a *view* of one Keras model. What is saved is
-keyed by that model, never by the stage layout, so whatever is written at K
-stages loads at K' stages:
+A `.keras` file saved from a pipelined model (cut by `from_model`, at any
+number of stages) or from a plain Keras model loads as a `PipelinedModel`
+cut for the `PipelineStrategy` in scope; `tfpipe.saving` says what the
+saved files are keyed by, and `to_keras` turns a pipeline back into plain
+Keras.
 
-- `tf.train.Checkpoint(model=pipelined, optimizer=pipelined.optimizer)`: a
-  model cut by `from_model` has exactly its source model's checkpoint
-  children, so the keys are those `tf.train.Checkpoint(model=plain_model)`
-  writes (non-trainable variables such as BatchNorm statistics included).
-- `save_weights` / `load_weights` and `.keras` files: the weights are stored
-  under the source model's layers (Keras keys them by layer class and order).
-- Optimizer slots: the optimizer is built on `trainable_variables` in the
-  source model's order, so slot i belongs to the same variable at any K.
-
-Pipelines built from hand-made `stages` (not `from_model`) are keyed by stage
-(`stage_0`, ...): they load only at their own layout.
-
-`to_keras(model)` returns the plain Keras model (no tfpipe classes) with the
-trained weights, and optionally the optimizer state, on one device.
-`load_model(path)` loads a `.keras` file saved from a pipelined (or plain)
-model under the current `PipelineStrategy`, cut for its devices.
-
->>> plain = tfpipe.to_keras(pipelined)               # doctest: +SKIP
->>> plain.save("serving.keras")                      # loads without tfpipe
 >>> with tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"]).scope():
-...     model = tfpipe.load_model("run_at_4_stages.keras")  # re-cut to 2 stages
+...     model = tfpipe.load_model("run_at_4_stages.keras")  # doctest: +SKIP
 """
 
 import contextlib
-import contextvars
 import os
-import tempfile
 
 import keras
 import tensorflow as tf
 
-from tfpipe import _internal
+from tfpipe import model as model_lib
+from tfpipe import saving
 from tfpipe import strategy as strategy_lib
-
-# Set by `load_model` for the `PipelinedModel.from_config` it triggers.
-_LOAD_REQUEST = contextvars.ContextVar("tfpipe_load_request", default=None)
-
-
-class LoadRequest:
-    """What `load_model` asks of the pipeline it loads: a balance, settings."""
-
-    def __init__(self, path, balance, settings):
-        self.path, self.balance, self.settings = path, balance, dict(settings)
-
-
-def current_load_request():
-    return _LOAD_REQUEST.get()
-
-
-def choose_balance(saved_balance, strategy, schedule, where="this file"):
-    """The balance a saved, cut model is rebuilt with under `strategy`.
-
-    Inside `load_model`: the requested balance; else the saved one when the
-    strategy places as many stages; else "params" over the strategy's stages.
-    Outside it (plain `keras.models.load_model`): the saved balance, or a
-    ValueError naming the fix when the strategy cannot place it.
-    """
-    request = current_load_request()
-    saved_balance = list(saved_balance)
-    slots = strategy.max_stages(schedule)
-    if request is not None:
-        if request.balance is not None:
-            return request.balance
-        return saved_balance if len(saved_balance) == slots else "params"
-    if len(saved_balance) > slots:
-        raise ValueError(
-            f"{where} holds a pipeline of {len(saved_balance)} stages (balance="
-            f"{saved_balance}), but the PipelineStrategy in scope places at most {slots} "
-            f"with schedule={schedule.name!r}. Load it with tfpipe.load_model(path) to cut "
-            f"it again for these devices (balance=None cuts by parameter count), or save "
-            f"a plain Keras model with tfpipe.to_keras(model) for single-device use.")
-    return saved_balance
-
+from tfpipe.saving import to_keras  # noqa: F401  (tfpipe.layout.to_keras, as before)
 
 def load_model(path, balance=None, custom_objects=None, compile=True, **settings):  # pylint: disable=redefined-builtin
     """Loads a `.keras` file as a `PipelinedModel` cut for the current strategy.
@@ -98,8 +41,6 @@ def load_model(path, balance=None, custom_objects=None, compile=True, **settings
     devices. Returns a built `PipelinedModel` whose weights (and optimizer
     slots, when compiled) are those saved.
     """
-    from tfpipe import model as model_lib  # pylint: disable=import-outside-toplevel
-
     if not isinstance(path, (str, os.PathLike)) or not str(path).endswith(".keras"):
         raise ValueError(f"path must be a .keras file, got {path!r}. For checkpoints use "
                          f"tf.train.Checkpoint(model=model).restore(...) on a model you "
@@ -116,122 +57,20 @@ def load_model(path, balance=None, custom_objects=None, compile=True, **settings
             f"{type(tf.distribute.get_strategy()).__name__}.")
     in_scope = strategy_lib.current_pipeline_strategy()
     strategy = in_scope or strategy_lib.PipelineStrategy()
-    token = _LOAD_REQUEST.set(LoadRequest(str(path), balance, settings))
-    try:
-        with strategy.scope() if in_scope is None else contextlib.nullcontext():
-            loaded = keras.models.load_model(path, custom_objects=custom_objects,
-                                             compile=compile)
-            if not isinstance(loaded, model_lib.PipelinedModel):
-                # A plain Keras model (e.g. saved from to_keras): cut it here.
-                loaded = _cut_plain(loaded, balance, settings,
-                                    compiled=compile and loaded.optimizer is not None)
-    finally:
-        _LOAD_REQUEST.reset(token)
+    request = saving.LoadRequest(str(path), balance, settings)
+    with saving.loading(request), (strategy.scope() if in_scope is None
+                                   else contextlib.nullcontext()):
+        loaded = keras.models.load_model(path, custom_objects=custom_objects,
+                                         compile=compile)
+        if not isinstance(loaded, model_lib.PipelinedModel):
+            # A plain Keras model (e.g. saved from to_keras): cut it here.
+            loaded = _cut_plain(loaded, balance, settings,
+                                compiled=compile and loaded.optimizer is not None)
     return loaded
 
 
 def _cut_plain(plain, balance, settings, compiled):
-    from tfpipe import model as model_lib  # pylint: disable=import-outside-toplevel
-
     pipelined = model_lib.PipelinedModel.from_model(plain, balance=balance, **settings)
     if compiled:
-        _compile_like(pipelined, plain)
+        saving.compile_like(pipelined, plain)
     return pipelined
-
-
-def to_keras(model, device=None, include_optimizer=True):
-    """The plain Keras model behind `model`, with its weights, on one device.
-
-    Args:
-      model: a built `tfpipe.PipelinedModel`.
-      device: where the copy's variables live (e.g. "/CPU:0", "/GPU:0");
-        None: TensorFlow's default device.
-      include_optimizer: when `model` is compiled, compile the copy with the
-        same loss, metrics and optimizer, its state (step count, slots)
-        copied, so that training the copy continues where the pipeline is.
-
-    Returns:
-      A new `keras.Model` with no tfpipe classes: for a `from_model`
-      pipeline a copy of the source model (same architecture and layer
-      names); for hand-made stages a functional model chaining them. It
-      shares nothing with `model`, saves with `model.save` and loads with
-      plain `keras.models.load_model` (tfpipe not imported).
-    """
-    from tfpipe import model as model_lib  # pylint: disable=import-outside-toplevel
-
-    if not isinstance(model, model_lib.PipelinedModel) or not model.built:
-        raise ValueError(f"to_keras needs a built tfpipe.PipelinedModel, got "
-                         f"{type(model).__name__}; call model.build(input_shape) or fit "
-                         f"first.")
-    if tf.distribute.has_strategy():
-        raise ValueError(
-            "to_keras must be called outside any distribution strategy scope (here: "
-            f"{type(tf.distribute.get_strategy()).__name__}): a plain model created in "
-            "it would keep running under that strategy.")
-    source = model.source_model if model.source_model is not None else _chain(model)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "model.keras")
-        # Keras' own serialisation: architecture, weights and assets (lookup
-        # tables, adapted preprocessing) exactly as a user's save would.
-        source.save(path, include_optimizer=False)
-        with tf.device(device) if device else contextlib.nullcontext():
-            plain = keras.models.load_model(path, compile=False)
-    foreign = sorted({type(layer).__module__ + "." + type(layer).__name__
-                      for layer in _internal.flatten_layers(plain)
-                      if type(layer).__module__.split(".")[0] == "tfpipe"})
-    if foreign:
-        raise ValueError(f"to_keras: the model contains tfpipe layers {foreign}, which "
-                         f"plain Keras cannot load.")
-    if include_optimizer and getattr(model, "compiled", False) and model.optimizer:
-        with tf.device(device) if device else contextlib.nullcontext():
-            _compile_like(plain, model)
-    return plain
-
-
-def _chain(model):
-    """Hand-made stages as one functional model: inputs -> stage 0 -> ... -> K-1."""
-    shape = model._built_input_shape  # pylint: disable=protected-access
-    dtype = model._input_dtype  # pylint: disable=protected-access
-
-    def make_input(s):
-        return keras.Input(batch_shape=tuple(s), dtype=dtype)
-
-    from tfpipe.model import _map_shapes  # pylint: disable=import-outside-toplevel
-    inputs = _map_shapes(make_input, shape)
-    h = inputs
-    for stage in model.stages:
-        h = stage(h)
-    name = model.name[len("pipelined_"):] if model.name.startswith("pipelined_") else model.name
-    return keras.Model(inputs, h, name=name)
-
-
-def _compile_like(target, source):
-    """Compiles `target` as `source` is compiled (loss, metrics, an optimizer
-    of the same config) and carries the optimizer state over. Both train the
-    same variables in the same order (a cut model builds its optimizer on
-    `trainable_variables` in its source model's order)."""
-    config = keras.saving.deserialize_keras_object(source.get_compile_config())
-    config.pop("jit_compile", None)
-    config["optimizer"] = source.optimizer.__class__.from_config(source.optimizer.get_config())
-    target.compile(**config)
-    if not target.optimizer.built:
-        target.optimizer.build(target.trainable_variables)
-    _copy_optimizer_state(source.optimizer, target.optimizer)
-
-
-def _copy_optimizer_state(source, target):
-    """Copies `source`'s variables (iterations, learning rate, slots) into
-    `target`, built on the same variables in the same order."""
-    if not source.built:
-        return
-    if not target.built:
-        raise RuntimeError("tfpipe bug: the target optimizer is not built.")
-    theirs, ours = list(source.variables), list(target.variables)
-    shapes = [tuple(v.shape) for v in theirs], [tuple(v.shape) for v in ours]
-    if shapes[0] != shapes[1]:
-        raise ValueError(
-            f"Cannot carry the optimizer state over: the source optimizer holds "
-            f"{len(theirs)} variables shaped {shapes[0][:4]}..., the new one "
-            f"{len(ours)} shaped {shapes[1][:4]}.... Pass include_optimizer=False.")
-    for mine, value in zip(ours, theirs):
-        mine.assign(value.value if hasattr(value, "value") else value)

@@ -46,11 +46,11 @@ import tensorflow as tf
 
 from tfpipe import _internal
 from tfpipe import boundary
-from tfpipe import devices
 from tfpipe import gradients as gradients_lib
 from tfpipe import loss as loss_lib
 from tfpipe import runtime
 from tfpipe import schedules
+from tfpipe import stage as stage_lib
 from tfpipe import xla
 
 
@@ -107,14 +107,12 @@ def _concat(arrays, specs):
 
 class LoopStore:
     """The step's state as TensorArrays and tensors in a `tf.while_loop`'s
-    carried dict `st` (see the protocol in `tfpipe.runtime`). A switch
-    branch wraps a copy of `st`; what the handler writes replaces its entries.
+    carried dict `st` (`tfpipe.runtime.Store`). A switch branch wraps a copy
+    of `st`; what the handler writes replaces its entries.
 
     Every backward replays its stage (`recompute="always"`), so nothing but
     stage inputs and seeds is kept; a split backward's W replays too.
     """
-
-    splits_in_graph = False
 
     def __init__(self, layout, st):
         self.layout, self.st = layout, _copy(st)
@@ -135,9 +133,6 @@ class LoopStore:
             return tf.nest.map_structure(
                 lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, structure)
 
-    def replays(self, k, m):
-        return True
-
     def stage_input(self, k, m):
         if k == 0:
             return self.step.batch.micro(m)[0]
@@ -151,33 +146,29 @@ class LoopStore:
             packed = boundary.pack(out, step.interfaces[k])
             self.st["outs"] = _write(self.st["outs"], step.batch.split.keep_real(packed, m), m)
 
-    def keep(self, k, m, record):
+    def keep(self, k, m, kept, moments):
         self.st["seeds"][k] = [ta.write(m, s) for ta, s in zip(self.st["seeds"][k],
-                                                               record.seeds)]
+                                                               kept.seeds)]
+        if moments:
+            self.st["bn"][k] = [ta.write(m, t) for ta, t in zip(
+                self.st["bn"][k], [t for c in moments for t in (c.count, c.mean, c.variance)])]
 
     def take_kept(self, k, m):
-        return runtime.Replay(self.stage_input(k, m), [ta.read(m) for ta in self.st["seeds"][k]])
+        return stage_lib.Replay(self.stage_input(k, m),
+                                [ta.read(m) for ta in self.st["seeds"][k]])
 
-    def put_bn(self, k, m, calls):
-        if calls:
-            self.st["bn"][k] = [ta.write(m, t) for ta, t in zip(
-                self.st["bn"][k], [t for c in calls for t in (c.count, c.mean, c.variance)])]
-
-    def add_extra(self, d, value):
-        self.st["extra"][d] = self.st["extra"][d] + value
-
-    def add_loss_parts(self, parts):
+    def add_loss(self, d, parts, extra):
         st = self.st
-        st["num"] = [acc + tf.cast(s, tf.float32) for acc, (s, _, _) in zip(st["num"], parts)]
-        st["div"] = [acc if dp is None else acc + tf.cast(dp, tf.float32)
-                     for acc, (_, dp, _) in zip(st["div"], parts)]
-
-    def divisor_sums(self):
-        return [acc if t.kind == loss_lib.COUNTED else None
-                for acc, t in zip(self.st["div"], self.step.split.terms)]
+        if extra is not None:
+            st["extra"][d] = st["extra"][d] + extra
+        if parts:
+            st["num"] = [acc + tf.cast(s, tf.float32)
+                         for acc, (s, _, _) in zip(st["num"], parts)]
+            st["div"] = [acc if dp is None else acc + tf.cast(dp, tf.float32)
+                         for acc, (_, dp, _) in zip(st["div"], parts)]
 
     def loss_seeds(self, plan, scale):
-        return [s * scale for s in plan.seeds(self.divisor_sums())]
+        return [s * scale for s in plan.seeds(_divisor_sums(self.st, self.step))]
 
     # -- backward ----------------------------------------------------------
 
@@ -204,15 +195,21 @@ class LoopStore:
         self.st["gin"][k - 1] = [ta.write(m, g) for ta, g in zip(self.st["gin"][k - 1], packed)]
         return []
 
-    def add_weight_gradient(self, d, k, m, i, g):
+    def add_weight_gradient(self, d, k, m, i, grad, is_sum=False):
         layout = self.layout
         j = layout.device_vars[d].index(i)
         self.st["grads"][d] = list(self.st["grads"][d])
-        self.st["grads"][d][j] = layout.slots[d][i].add(self.st["grads"][d][j], g, k, m)
+        self.st["grads"][d][j] = layout.slots[d][i].add(self.st["grads"][d][j], grad, k, m)
         return []
 
-    def has_deferred(self, k, m):
-        return False
+    def weight_sum(self, i):
+        return None  # sums live in per-device slots (`_GradientSlot`)
+
+
+def _divisor_sums(st, step):
+    """The counted terms' divisor sums so far (None for the other terms)."""
+    return [acc if t.kind == loss_lib.COUNTED else None
+            for acc, t in zip(st["div"], step.split.terms)]
 
 
 class _Layout:
@@ -220,10 +217,10 @@ class _Layout:
     TensorArrays per stage boundary, the gradient slots per device, and
     which state entries each device's actions write."""
 
-    def __init__(self, pipeline, step):
-        self.pipeline, self.step = pipeline, step
+    def __init__(self, plan, step):
+        self.plan, self.step = plan, step
         m_count, k_count = step.num_microbatches, step.num_stages
-        d_count = len(pipeline.devices)
+        d_count = len(plan.devices)
         interfaces = step.interfaces
         backward = step.backward_step
         var_index = {id(v): i for i, v in enumerate(step.variables)}
@@ -233,8 +230,8 @@ class _Layout:
         self.device_vars = [[] for _ in range(d_count)]
         self.slots = [{} for _ in range(d_count)]  # device -> variable index -> _GradientSlot
         for k in range(k_count if backward else 0):
-            d = pipeline.stage_device[k]
-            for v, c, sparse in zip(pipeline.stages[k].trainable_variables,
+            d = plan.stage_device[k]
+            for v, c, sparse in zip(plan.layers[k].trainable_variables,
                                     interfaces[k].variables_connected,
                                     interfaces[k].variables_sparse):
                 i = var_index[id(v)]
@@ -262,7 +259,7 @@ class _Layout:
             "outs": [_array(s, m_count, rows) for s in _flat_specs(interfaces[-1].specs)],
             "seeds": [[tf.TensorArray(v.dtype, size=m_count, element_shape=v.shape,
                                       clear_after_read=False)
-                       for v in pipeline.stage_states[k].seed_variables()] if backward else []
+                       for v in plan.states[k].seed_variables()] if backward else []
                       for k in range(k_count)],
             "gin": [[_array(s, m_count, rows) for s in self.connected_specs(k)] if backward else []
                     for k in range(k_count - 1)],
@@ -288,7 +285,7 @@ class _Layout:
     def _owned_keys(self, d, n_terms):
         """The state entries device d's actions write: (key, index) pairs."""
         keys = [("extra", d), ("grads", d), ("token", d)]
-        for k, home in enumerate(self.pipeline.stage_device):
+        for k, home in enumerate(self.plan.stage_device):
             if home != d:
                 continue
             keys += [("seeds", k), ("gin", k - 1) if k else None, ("bn", k)]
@@ -305,7 +302,7 @@ class _Layout:
         """Adds per device a float64 TensorArray of (start, end) stamps, two
         per action in the device's order, and the (T, D) table of positions."""
         rows = [[row[d] for row in ticks if row[d] is not None]
-                for d in range(len(self.pipeline.devices))]
+                for d in range(len(self.plan.devices))]
         self.timeline_rows = rows
         self.positions = tf.constant(
             [[0 if a is None else rows[d].index(a) for d, a in enumerate(row)]
@@ -348,19 +345,14 @@ class _FinishedStore:
         grads = [None] * len(step.variables)
         for d, indices in enumerate(layout.device_vars):
             for j, i in enumerate(indices):
-                grads[i] = layout.pipeline.on_home(
-                    step.variables[i], gradients_lib.add_gradients, grads[i],
-                    layout.slots[d][i].result(self.st["grads"][d][j]))
+                with layout.plan.home_scope(step.table, i):
+                    grads[i] = gradients_lib.add_gradients(
+                        grads[i], layout.slots[d][i].result(self.st["grads"][d][j]))
         return grads
 
-    def divisor_sums(self):
-        return LoopStore.divisor_sums(self)
-
-    def numerator_sums(self):
-        return self.st["num"]
-
-    def extra_terms(self):
-        return list(self.st["extra"])
+    def loss_sums(self):
+        divisors = _divisor_sums(self.st, self.step) if self.step.split is not None else []
+        return self.st["num"], divisors, list(self.st["extra"])
 
     def bn_sites(self):
         sites = []
@@ -378,30 +370,29 @@ class _FinishedStore:
 class LoopBackend:
     """Walks the schedule as a `tf.while_loop` over clock ticks."""
 
-    def train(self, pipeline, batch, split, scale_loss, timeline):
+    def train(self, plan, batch, split, scale_loss, timeline):
         _equal_under_xla(batch)
-        ticks = schedules.clock_ticks(pipeline.schedule, batch.num_microbatches,
-                                      len(pipeline.devices))
-        step = runtime.Step(pipeline, batch, _order(ticks), split, scale_loss, training=True,
+        ticks = schedules.clock_ticks(plan.schedule, batch.num_microbatches, len(plan.devices))
+        step = runtime.Step(plan, batch, _order(ticks), split, scale_loss, training=True,
                             connectivity=True)
-        layout = _Layout(pipeline, step)
+        layout = _Layout(plan, step)
         if timeline is not None:
             layout.add_timeline(ticks)
-        state = self._run(pipeline, step, layout, ticks)
+        state = self._run(plan, step, layout, ticks)
         if timeline is not None:
             timeline += layout.timeline_events(state)
         return step.finish(layout.finished(state))
 
-    def forward(self, pipeline, batch, training):
+    def forward(self, plan, batch, training):
         _equal_under_xla(batch)
-        ticks = schedules.clock_ticks(pipeline.schedule, batch.num_microbatches,
-                                      len(pipeline.devices), forward_only=True)
-        step = runtime.Step(pipeline, batch, _order(ticks), None, training=training)
-        layout = _Layout(pipeline, step)
-        return step.finish_forward(layout.finished(self._run(pipeline, step, layout, ticks)))
+        ticks = schedules.clock_ticks(plan.schedule, batch.num_microbatches, len(plan.devices),
+                                      forward_only=True)
+        step = runtime.Step(plan, batch, _order(ticks), None, training=training)
+        layout = _Layout(plan, step)
+        return step.finish_forward(layout.finished(self._run(plan, step, layout, ticks)))
 
     @staticmethod
-    def _run(pipeline, step, layout, ticks):
+    def _run(plan, step, layout, ticks):
         """The while loop: at tick t, device d runs its action of the tick.
 
         Each device's actions are the branches of a `tf.switch_case` (0: idle)
@@ -409,7 +400,7 @@ class LoopBackend:
         branch codes and micro-batches are constants, so the body is traced
         once, whatever M is.
         """
-        d_count = len(pipeline.devices)
+        d_count = len(plan.devices)
         branches = [sorted({(a.kind, a.stage) for row in ticks for a in [row[d]] if a},
                            key=lambda ks: (ks[1], "FBIW".index(ks[0])))
                     for d in range(d_count)]
@@ -424,7 +415,7 @@ class LoopBackend:
             graph = tf.compat.v1.get_default_graph()
             first_op = len(graph.get_operations())
             timed = "times" in st
-            with devices.scope(pipeline.devices[d]):
+            with plan.devices[d].scope():
                 # Every op of the action (variable reads and the replay's seed
                 # assignments included) waits for the device's previous action.
                 with tf.control_dependencies([st["token"][d]]):
@@ -447,7 +438,7 @@ class LoopBackend:
                 fns = [lambda st=st, d=d: _select(st, owned[d])]  # idle
                 for kind, k in branches[d]:
                     fns.append(lambda st=st, d=d, k=k, m=m, kind=kind: act(st, d, kind, k, m))
-                with devices.scope(pipeline.devices[d]):
+                with plan.devices[d].scope():
                     result = tf.switch_case(codes[t, d], fns)
                 _assign(new, owned[d], result)
             return t + 1, new

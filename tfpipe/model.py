@@ -2,8 +2,10 @@
 
 `fit`, `evaluate` and `predict` work as for any Keras model; each step cuts
 the batch into M micro-batches (`tfpipe.microbatch`), runs the schedule on the
-stage devices (`tfpipe.engine`, or `tfpipe.loop`), and — in training —
-applies one optimizer update with the gradients summed over micro-batches.
+stage devices (`tfpipe.engine`) and, in training, applies one optimizer update
+with the gradients summed over micro-batches. This module only wires: input
+checks are `tfpipe.inputs`'s, the step is the engine's, the loss split
+`tfpipe.loss`'s, saving `tfpipe.saving`'s.
 
 Exactness. The compiled loss is split over micro-batches exactly as Keras
 reduces it over the batch (`tfpipe.loss`: masks, `ignore_class`, sample
@@ -31,52 +33,21 @@ from tfpipe import batchnorm
 from tfpipe import config as config_lib
 from tfpipe import devices as devices_lib
 from tfpipe import engine
-from tfpipe import layout
+from tfpipe import gradients as gradients_lib
+from tfpipe import graph as graph_lib
+from tfpipe import inputs as inputs_lib
 from tfpipe import loss as loss_lib
 from tfpipe import microbatch
 from tfpipe import partition
 from tfpipe import placement
 from tfpipe import replicas
-from tfpipe import runtime
+from tfpipe import saving
 from tfpipe import schedules
+from tfpipe import stage as stage_lib
+from tfpipe import step_plan
 from tfpipe import strategy as strategy_lib
+from tfpipe import summary
 from tfpipe import xla
-
-
-def _is_shape(value):
-    return isinstance(value, (tuple, list, tf.TensorShape)) and all(
-        d is None or isinstance(d, int) for d in value
-    )
-
-
-def _map_shapes(fn, shapes):
-    if _is_shape(shapes):
-        return fn(tuple(shapes))
-    if isinstance(shapes, dict):
-        return {k: _map_shapes(fn, v) for k, v in shapes.items()}
-    if isinstance(shapes, (list, tuple)):
-        return type(shapes)(_map_shapes(fn, v) for v in shapes)
-    raise ValueError(f"input_shape must be a shape tuple or a nest of them, got {shapes!r}.")
-
-
-def _keras_batch_size(batch_size, x):
-    """The batch size Keras will use for `x`: batch_size, or 32 for arrays."""
-    if batch_size is not None:
-        return batch_size
-    if x is None or isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
-        return None
-    if callable(getattr(x, "__next__", None)):
-        return None  # a generator: batches come ready-made
-    return 32
-
-
-def _dataset_batch_size(x):
-    if isinstance(x, tf.data.Dataset):
-        for spec in tf.nest.flatten(x.element_spec):
-            shape = getattr(spec, "shape", None)
-            if shape is not None and shape.rank:
-                return shape[0]
-    return None
 
 
 class _Source:
@@ -93,7 +64,7 @@ def _host_device():
 
 
 @keras.saving.register_keras_serializable(package="tfpipe")
-class PipelinedModel(keras.Model):
+class PipelinedModel(_internal.CheckpointAs, keras.Model):
     """A Keras model whose `stages` run as a pipeline on the strategy's devices.
 
     Args:
@@ -137,11 +108,13 @@ class PipelinedModel(keras.Model):
         # Inputs reach the stages as given (a functional model's do too); each
         # stage converts what it takes.
         _internal.keep_input_types(self)
-        self._distribute_strategy = strategy
+        _internal.set_distribute_strategy(self, strategy)
+        self._pipeline_strategy = strategy
+        self._trace_options = step_plan.TraceOptions()
         self._source = source
         if source is not None and hasattr(source.model, "output_names"):
             self.output_names = list(source.model.output_names)
-        stages = self._validate_stages(stages)
+        stages = inputs_lib.check_stages(stages)
         # What Keras and tf.train.Checkpoint track (and list as `layers`): the
         # user's model when `from_model` cut it, so weights files and
         # checkpoints are keyed by its layers, whatever the stage layout
@@ -153,42 +126,18 @@ class PipelinedModel(keras.Model):
         else:
             self._user_model = source.model
         self._input_dtype = keras.backend.standardize_dtype(input_dtype)
-        self._configure(config_lib.merge(strategy.given_settings, dict(
+        self._use_config(config_lib.merge(strategy.given_settings, dict(
             num_microbatches=num_microbatches, schedule=schedule, recompute=recompute,
             execution=execution, batch_norm=batch_norm)))
         if input_shape is not None:
             self.build(input_shape)
 
-    @staticmethod
-    def _validate_stages(stages):
-        if isinstance(stages, keras.layers.Layer) or not isinstance(stages, (list, tuple)):
-            raise ValueError(
-                f"stages must be a list of Keras layers (one per stage), got "
-                f"{type(stages).__name__}. To cut one model use PipelinedModel.from_model."
-            )
-        stages = list(stages)
-        if not stages:
-            raise ValueError("stages is empty; a pipeline needs at least one stage.")
-        for k, stage in enumerate(stages):
-            if stage is None or (isinstance(stage, (list, tuple)) and not stage):
-                raise ValueError(f"Stage {k} is empty; every stage needs at least one layer.")
-            if not isinstance(stage, keras.layers.Layer):
-                raise ValueError(
-                    f"Stage {k} must be a Keras layer or model, got {type(stage).__name__}."
-                )
-            if isinstance(stage, keras.Sequential) and not stage.layers:
-                raise ValueError(
-                    f"Stage {k} ({stage.name!r}) is an empty Sequential; every stage "
-                    f"needs at least one layer."
-                )
-        return stages
-
     # -- the pipeline's configuration ------------------------------------
 
-    def _configure(self, config):
+    def _use_config(self, config):
         """Makes `config` the model's configuration (the one owner of M,
         the schedule, recompute, execution and the BatchNorm mode)."""
-        strategy = self._distribute_strategy
+        strategy = self._pipeline_strategy
         devices, stage_devices = strategy.pipeline_devices(len(self.stages), config.schedule)
         # Validates the schedule for this (M, D) now, not at the first step.
         schedules.validate(config.schedule, config.num_microbatches, len(devices))
@@ -199,30 +148,45 @@ class PipelinedModel(keras.Model):
         # all running the same stages; replica 0's is `self.pipeline`.
         self.replica_pipelines = [
             engine.Pipeline(self.stages, strategy.pipeline_devices(
-                len(self.stages), config.schedule, replica=r)[0], config)
+                len(self.stages), config.schedule, replica=r)[0], config, self._trace_options)
             for r in range(len(strategy.device_grid))]
         self.pipeline = self.replica_pipelines[0]
         if self.built:
-            batchnorm.check_layers(self.stages, config.batch_norm,
-                                  self._distribute_strategy.num_replicas)
+            batchnorm.check_layers(self.stages, config.batch_norm, strategy.num_replicas)
         # Steps traced for the old configuration must not be reused.
         self.train_function = self.test_function = self.predict_function = None
+
+    def set_trace_options(self, **options):
+        """Sets how steps are traced (`tfpipe.step_plan.TraceOptions`:
+        `enforce_order`, `serialize_ops`, `observer`); not saved. Steps traced
+        before are dropped, so the next call traces again.
+
+        >>> calls = tfpipe.testing.StageCalls()          # doctest: +SKIP
+        >>> model.set_trace_options(observer=calls)      # doctest: +SKIP
+        """
+        self._trace_options = step_plan.TraceOptions(**{
+            **{f: getattr(self._trace_options, f) for f in ("enforce_order", "serialize_ops",
+                                                            "observer")}, **options})
+        self._use_config(self._pipeline_config)
+
+    @property
+    def trace_options(self):
+        """The `tfpipe.step_plan.TraceOptions` steps are traced with."""
+        return self._trace_options
 
     @property
     def stages(self):
         """The K stage layers; stage k runs on `stage_devices[k]`."""
         return self._stage_holder.stages
 
-    def _trackable_children(self, save_type="checkpoint", **kwargs):
-        # What tf.train.Checkpoint saves (Keras 3 would list no children here:
-        # the variables would be saved only through an optimizer, and
-        # non-trainable ones not at all). A cut model has exactly its source
-        # model's children, so its checkpoints are keyed as the plain Keras
-        # model's are, whatever the stage layout.
-        if save_type != "checkpoint":
-            return super()._trackable_children(save_type, **kwargs)
+    def checkpoint_children(self):
+        """What tf.train.Checkpoint saves (Keras 3 would list no children:
+        the variables would be saved only through an optimizer, and
+        non-trainable ones not at all). A cut model has exactly its source
+        model's children, so its checkpoints are keyed as the plain Keras
+        model's are, whatever the stage layout."""
         if self._source is not None:
-            return self._source.model._trackable_children(save_type, **kwargs)  # pylint: disable=protected-access
+            return _internal.checkpoint_children(self._source.model)
         return {f"stage_{k}": s for k, s in enumerate(self.stages)}
 
     @property
@@ -303,10 +267,8 @@ class PipelinedModel(keras.Model):
         (`"params"`, `"time"`, `"memory"` or `"explicit"`); `summary()` shows
         them.
         """
-        from tfpipe import graph as graph_lib  # pylint: disable=import-outside-toplevel
-
         if kwargs.get("batch_norm") is not None:
-            batchnorm.validate_mode(kwargs["batch_norm"])
+            config_lib.validate_batch_norm(kwargs["batch_norm"])
         graph = graph_lib.model_graph(model)
         in_scope = strategy_lib.current_pipeline_strategy()
         strategy = in_scope or strategy_lib.PipelineStrategy()
@@ -336,10 +298,10 @@ class PipelinedModel(keras.Model):
                 f"model.build(input_shape), or call fit/evaluate/predict with arrays "
                 f"or a tf.data.Dataset (tfpipe builds from their shapes)."
             )
-        self._built_input_shape = _map_shapes(list, input_shape)
+        self._built_input_shape = inputs_lib.map_shapes(list, input_shape)
         # Runs eagerly even when Keras builds symbolically inside a FuncGraph:
         # variables created there would land on the default device.
-        with tf.init_scope(), self._scope():
+        with tf.init_scope(), self._strategy_scope():
             # Symbolic inputs keep the batch dimension None in every stage's
             # recorded shapes; unbuilt layers still build (create variables)
             # eagerly, under their stage's device.
@@ -347,8 +309,8 @@ class PipelinedModel(keras.Model):
                 # The model's own inputs: they say which are sparse or ragged.
                 h = self._source.model.input
             else:
-                h = _map_shapes(lambda s: keras.KerasTensor(s, dtype=self._input_dtype),
-                                input_shape)
+                h = inputs_lib.map_shapes(
+                    lambda s: keras.KerasTensor(s, dtype=self._input_dtype), input_shape)
             outputs = []  # each stage's symbolic output, for pipeline_summary
             for k, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
                 with devices_lib.scope(device):
@@ -359,13 +321,13 @@ class PipelinedModel(keras.Model):
                             raise
                         raise ValueError(
                             f"Stage {k} ({stage.name!r}) cannot take the output of stage "
-                            f"{k - 1} ({self.stages[k - 1].name!r}): {_describe(h)}. Make "
+                            f"{k - 1} ({self.stages[k - 1].name!r}): {summary.describe(h)}. Make "
                             f"stage {k} accept that (or change the cut). Keras said: "
                             f"{err}") from err
                     h = h_next
                     outputs.append(h)
             # Stage k's column: its device in each data-parallel replica.
-            columns = [[p.devices[p.stage_device[k]] for p in self.replica_pipelines]
+            columns = [[p.devices[p.stage_device[k]].name for p in self.replica_pipelines]
                        for k in range(len(self.stages))]
             if len(self.replica_pipelines) == 1:
                 columns = list(self.stage_devices)
@@ -377,17 +339,17 @@ class PipelinedModel(keras.Model):
                 if bad:
                     raise RuntimeError(f"tfpipe placement bug: stage {k} variables {bad[:3]}.")
             batchnorm.check_layers(self.stages, self.batch_norm,
-                                  self._distribute_strategy.num_replicas)
+                                  self._pipeline_strategy.num_replicas)
             self._stage_outputs = outputs
         if self._source is not None:
             # Its traced functions (if any) hold the variables' old storage.
             _internal.reset_compiled_functions(self._source.model)
         self._build_optimizer()
 
-    def _scope(self):
-        if tf.distribute.get_strategy() is self._distribute_strategy:
+    def _strategy_scope(self):
+        if tf.distribute.get_strategy() is self._pipeline_strategy:
             return contextlib.nullcontext()
-        return self._distribute_strategy.scope()
+        return self._pipeline_strategy.scope()
 
     def _build_optimizer(self):
         optimizer = getattr(self, "optimizer", None)
@@ -395,7 +357,7 @@ class PipelinedModel(keras.Model):
             return
         # Eagerly, so that each slot is created next to its variable; Keras
         # would otherwise build it inside the first traced step, on CPU:0.
-        with tf.init_scope(), self._scope():
+        with tf.init_scope(), self._strategy_scope():
             # In the order of `trainable_variables` (the user's model's when it
             # was cut), so slot i is the same variable's at any stage layout.
             optimizer.build(self._optimizer_variables())
@@ -448,136 +410,59 @@ class PipelinedModel(keras.Model):
         jit = jit_compile is True
         if jit:
             xla.check_jit_compile(self.pipeline_devices)
-        with self._scope():
+        with self._strategy_scope():
             super().compile(*args, jit_compile=jit, **kwargs)
         if self.optimizer is not None:
-            _internal.adopt_optimizer(self.optimizer, self._distribute_strategy)
+            _internal.adopt_optimizer(self.optimizer, self._pipeline_strategy)
         self._build_optimizer()
 
-    def _check_batch(self, batch_size, x, what):
-        m, r = self.num_microbatches, self._distribute_strategy.num_replicas
-        if self.execution == "loop" and getattr(self, "_jit_compile", None) is True:
-            xla.check_static_batch(x, batch_size, m, what,
-                                   "execution='loop' under jit_compile=True")
-        for size in (_keras_batch_size(batch_size, x), _dataset_batch_size(x)):
-            if size is not None and r > 1 and size < m * r:
-                raise ValueError(
-                    f"{what}: batch size {size} is split over num_replicas={r} "
-                    f"data-parallel replicas of num_microbatches={m} micro-batches each, "
-                    f"so some micro-batches would be empty. Use a global batch size of "
-                    f"at least {m * r} (a multiple of {m * r} keeps every micro-batch "
-                    f"the same size).")
-            if size is not None and size < m:
-                raise ValueError(
-                    f"{what}: batch size {size} is smaller than num_microbatches={m}, "
-                    f"so {m - size} micro-batch(es) of every batch would be empty. Use a "
-                    f"batch size of at least {m} (a multiple of {m} keeps every "
-                    f"micro-batch the same size) or num_microbatches <= {size}."
-                )
+    def check_batch_size(self, x, batch_size, what):
+        """Refuses batches of `x` that would leave micro-batches empty, or
+        that the loop under XLA cannot take (`tfpipe.inputs.check_batch`)."""
+        static_for = None
+        if self.pipeline_config.traits.in_loop and _internal.jit_compile(self) is True:
+            static_for = "execution='loop' under jit_compile=True"
+        inputs_lib.check_batch(x, batch_size, what, self.num_microbatches,
+                               self._pipeline_strategy.num_replicas, static_for)
 
-    def _build_from_data(self, x):
-        """Builds eagerly from the shapes and dtypes of `x` (arrays or dataset)."""
-        if self.built or x is None:
-            return
-        if isinstance(x, tf.data.Dataset):
-            spec = x.element_spec
-            features = spec[0] if isinstance(spec, tuple) else spec
-            leaves = tf.nest.flatten(features)
-            shapes = tf.nest.map_structure(lambda s: tuple(s.shape), features)
-        elif isinstance(x, keras.utils.PyDataset) or callable(getattr(x, "__next__", None)):
-            return  # batches only known when iterated; build() explains the fix
-        else:
-            leaves = tf.nest.flatten(x)
-            shapes = tf.nest.map_structure(lambda a: (None,) + tuple(np.shape(a))[1:], x)
-        if leaves:
-            self._input_dtype = keras.backend.standardize_dtype(leaves[0].dtype)
-        self.build(shapes)
-
-    def _check_labels(self, x, y, what):
-        arrays = not (x is None or isinstance(x, (tf.data.Dataset, keras.utils.PyDataset))
-                      or callable(getattr(x, "__next__", None)))
-        if arrays and y is None and getattr(self, "_compile_loss", None) is not None:
-            raise ValueError(
-                f"{what}: the model was compiled with a loss but the data has no labels "
-                f"(y=None). Pass y, or compile without a loss.")
-
-    def _check_call(self, x, what):
-        """Refuses what Keras would report without naming the fix: a call under
-        another strategy's scope, a dict fed to hand-made stages built for
-        one unnamed input, inputs Keras cannot split over replicas."""
-        self._check_replicated_inputs(x, what)
-        if tf.distribute.has_strategy() and (
-                tf.distribute.get_strategy() is not self._distribute_strategy):
-            raise ValueError(
-                f"{what}: called under {type(tf.distribute.get_strategy()).__name__}'s "
-                f"scope, but this model belongs to its own tfpipe.PipelineStrategy "
-                f"({self._distribute_strategy.num_stages} stages); call it outside any "
-                f"strategy scope or inside that one.")
-        built = getattr(self, "_built_input_shape", None)
-        if (isinstance(x, dict) and self._source is None and built is not None
-                and not isinstance(built, dict)):
-            raise ValueError(
-                f"{what}: x is a dict (keys {sorted(x)}) but the pipeline takes one input "
-                f"of shape {tuple(built)}; pass the array, or use "
-                f"PipelinedModel.from_model with keras.Inputs of those names.")
-
-    def _check_replicated_inputs(self, x, what):
-        """With several replicas Keras reduces the first distributed batch to
-        build metrics, which fails deep in TensorFlow on strings, SparseTensors
-        and RaggedTensors; say so up front."""
-        if self._distribute_strategy.num_replicas == 1 or x is None:
-            return
-        if isinstance(x, tf.data.Dataset):
-            leaves = tf.nest.flatten(x.element_spec)
-        elif isinstance(x, keras.utils.PyDataset) or callable(getattr(x, "__next__", None)):
-            return
-        else:
-            leaves = tf.nest.flatten(x)
-        for leaf in leaves:
-            kind = None
-            if isinstance(leaf, (tf.SparseTensor, tf.SparseTensorSpec)):
-                kind = "a tf.SparseTensor"
-            elif isinstance(leaf, (tf.RaggedTensor, tf.RaggedTensorSpec)):
-                kind = "a tf.RaggedTensor"
-            elif (leaf.dtype.kind in "OSU" if isinstance(leaf, np.ndarray)
-                  else isinstance(leaf, (tf.Tensor, tf.TensorSpec)) and leaf.dtype == tf.string):
-                kind = "strings"
-            if kind:
-                raise ValueError(
-                    f"{what}: an input is {kind}, which Keras cannot split over the "
-                    f"strategy's num_replicas={self._distribute_strategy.num_replicas} "
-                    f"data-parallel replicas. Use one replica (num_replicas=1), or turn "
-                    f"it into a dense numeric tensor in the input pipeline (e.g. "
-                    f"tf.data .map with the preprocessing layer, tf.sparse.to_dense, "
-                    f"RaggedTensor.to_tensor).")
+    def _check_call(self, x, y, batch_size, what):
+        """The checks every Keras entry point runs first, then the build
+        from the data's shapes (variables placed eagerly)."""
+        strategy = self._pipeline_strategy
+        inputs_lib.check_replicated_inputs(x, what, strategy.num_replicas)
+        inputs_lib.check_scope(what, strategy)
+        if self._source is None:
+            inputs_lib.check_dict_for_one_input(x, what,
+                                                getattr(self, "_built_input_shape", None))
+        if what != "predict":
+            inputs_lib.check_labels(x, y, what, _internal.compiled_loss(self) is not None)
+        self.check_batch_size(x, batch_size, what)
+        spec = None if self.built else inputs_lib.input_spec(x)
+        if spec is not None:
+            shapes, dtype = spec
+            if dtype is not None:
+                self._input_dtype = dtype
+            self.build(shapes)
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
-        self._check_call(x, "fit")
-        self._check_labels(x, y, "fit")
-        self._check_batch(batch_size, x, "fit")
-        self._build_from_data(x)
-        validation_data = kwargs.get("validation_data")
-        if validation_data is not None:
-            vx = validation_data if isinstance(validation_data, tf.data.Dataset) else validation_data[0]
-            self._check_batch(kwargs.get("validation_batch_size") or batch_size, vx, "fit validation")
+        self._check_call(x, y, batch_size, "fit")
+        validation = inputs_lib.validation_inputs(kwargs.get("validation_data"))
+        if validation is not None:
+            self.check_batch_size(validation, kwargs.get("validation_batch_size") or batch_size,
+                                  "fit validation")
         return super().fit(x, y, batch_size, *args, **kwargs)
 
     def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
-        self._check_call(x, "evaluate")
-        self._check_labels(x, y, "evaluate")
-        self._check_batch(batch_size, x, "evaluate")
-        self._build_from_data(x)
+        self._check_call(x, y, batch_size, "evaluate")
         return super().evaluate(x, y, batch_size, *args, **kwargs)
 
     def predict(self, x, batch_size=None, *args, **kwargs):
-        self._check_call(x, "predict")
-        self._check_batch(batch_size, x, "predict")
-        self._build_from_data(x)
+        self._check_call(x, None, batch_size, "predict")
         return super().predict(x, batch_size, *args, **kwargs)
 
     # Keras calls the function these make once per step (or per
     # steps_per_execution); each call, and the trace the first one starts,
-    # runs in the execution's `runtime.call_scope`.
+    # runs in the execution's `stage.call_scope`.
 
     def make_train_function(self, force=False):
         super().make_train_function(force)
@@ -595,22 +480,30 @@ class PipelinedModel(keras.Model):
         return self.predict_function
 
     def _in_call_scope(self, function):
-        if (function is None or self.execution != "stage_functions"
+        traits = self.pipeline_config.traits
+        if (function is None or not traits.stage_functions
                 or getattr(function, "_tfpipe_call_scope", False)):
             return function
 
         @functools.wraps(function)
         def call(*args, **kwargs):
-            with runtime.call_scope(self.execution):
+            with stage_lib.call_scope(traits):
                 return function(*args, **kwargs)
         call._tfpipe_call_scope = True  # pylint: disable=protected-access
         return call
 
-    def _batch(self, data):
+    def split_batch(self, data):
+        """A Keras batch `data` ((x, y, sample_weight) or x) as a
+        `tfpipe.microbatch.Batch` of M micro-batches, the inputs arranged as
+        the source model takes them."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if self._source is not None:
             x = self._source.graph.standardize_inputs(x)
         return microbatch.Batch(x, y, sample_weight, self.num_microbatches)
+
+    def loss_split(self):
+        """The compiled loss, split over micro-batches (`tfpipe.loss.LossSplit`)."""
+        return loss_lib.LossSplit(_internal.compiled_loss(self))
 
     def _update_metrics(self, batch, y_pred, loss, split, term_values):
         # Once, on the whole batch's outputs: identical to a full-batch update
@@ -619,7 +512,7 @@ class PipelinedModel(keras.Model):
         # shares of the global batch's: the trackers record the global values
         # weighted by this replica's rows, so they sum to plain Keras' update.
         loss, term_values = replicas.sum_over_replicas((loss, list(term_values)))
-        self._loss_tracker.update_state(loss, sample_weight=batch.split.num_rows)
+        _internal.loss_tracker(self).update_state(loss, sample_weight=batch.split.num_rows)
         y_true = batch.y
         for metric, value, term in zip(split.trackers, term_values, split.terms):
             _, arranged, _ = split.arrange(y_true, y_pred, None)
@@ -632,34 +525,14 @@ class PipelinedModel(keras.Model):
         # global batch read the state summed over the replicas (and workers).
         return replicas.across_replicas(self.get_metrics_result)
 
-    def _check_gradients(self, grads):
-        """Raises ValueError naming every trainable variable no gradient reached."""
-        variables = self.pipeline.variables
-        users = self.pipeline.stage_of_variables()
-        missing = {}
-        for i, (v, g) in enumerate(zip(variables, grads)):
-            if g is None:
-                home = users[i][0]
-                missing.setdefault(home, []).append(v.path)
-        if not missing:
-            return
-        where = "; ".join(f"stage {k} ({self.stages[k].name!r}): {paths}"
-                          for k, paths in sorted(missing.items()))
-        raise ValueError(
-            f"No gradient reaches {sum(len(p) for p in missing.values())} trainable "
-            f"variable(s) in a training step of {self.name!r}: {where}. Keras would "
-            f"only warn and leave them unchanged; tfpipe stops rather than train "
-            f"silently wrong. If they should stay fixed, set trainable=False on their "
-            f"layers before compile; otherwise make the loss depend on them (a loss "
-            f"for every output they feed, no stop_gradient on the way).")
-
     def train_step(self, data):
-        batch = self._batch(data)
-        split = loss_lib.LossSplit(self._compile_loss)
+        batch = self.split_batch(data)
+        split = self.loss_split()
         scale = self.optimizer.scale_loss if self.optimizer is not None else None
         pipeline = self.replica_pipelines[replicas.replica_index()]
         result = pipeline.train(batch, split, scale)
-        self._check_gradients(result.grads)
+        gradients_lib.check_reached(pipeline.variable_table(), result.grads,
+                                    [stage.name for stage in self.stages], self.name)
         pairs = list(zip(result.grads, pipeline.variables))
         if pairs:
             self.optimizer.apply_gradients(pairs)
@@ -673,11 +546,11 @@ class PipelinedModel(keras.Model):
         return tf.add_n(values) / replicas.num_replicas() if values else None
 
     def test_step(self, data):
-        batch = self._batch(data)
-        split = loss_lib.LossSplit(self._compile_loss)
+        batch = self.split_batch(data)
+        split = self.loss_split()
         pipeline = self.replica_pipelines[replicas.replica_index()]
         y_pred, call_loss = pipeline.forward(batch, training=False)
-        with devices_lib.scope(pipeline.devices[pipeline.stage_device[-1]]):
+        with pipeline.stage_scope(pipeline.num_stages - 1):
             data_loss, term_values = split.batch_values(batch.y, y_pred, batch.sample_weight)
             terms = [data_loss] + [t for t in (call_loss, self._regularization_loss())
                                    if t is not None]
@@ -686,54 +559,24 @@ class PipelinedModel(keras.Model):
 
     def predict_step(self, data):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        if self._source is not None:
-            x = self._source.graph.standardize_inputs(x)
         pipeline = self.replica_pipelines[replicas.replica_index()]
-        y_pred, _ = pipeline.forward(microbatch.Batch(x, None, None, self.num_microbatches))
+        y_pred, _ = pipeline.forward(self.split_batch((x,)))
         return y_pred
 
     # -- description and serialisation ----------------------------------
 
     def pipeline_summary(self):
         """A text table of stages: device, layer count, parameter count."""
-        k = len(self.stages)
-        sim = schedules.simulate(self.schedule, self.num_microbatches,
-                                 len(self.pipeline_devices))
-        lines = [
-            f"Pipeline: {k} stage(s) on {len(self.pipeline_devices)} device(s) x "
-            f"{self.num_microbatches} micro-batch(es), schedule={self.schedule.name}, "
-            f"recompute={self.recompute}, execution={self.execution}"
-            f"{' (tfpipe chose it)' if self.pipeline_config.execution_chosen else ''}, "
-            f"schedule's ideal bubble (F=1, B=2)={sim.bubble_fraction:.1%}, "
-            f"peak live activations per device={sim.peak_activations}",
-            f"{'stage':<7}{'name':<24}{'device':<46}{'layers':>7}{'params':>12}  output",
-        ]
-        outputs = getattr(self, "_stage_outputs", [None] * k)
-        seen = set()
-        for i, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
-            n_layers = len(stage.layers) if hasattr(stage, "layers") else 1
-            own = [v for v in stage.weights if id(v) not in seen]
-            seen.update(id(v) for v in own)
-            params = sum(int(np.prod(v.shape)) for v in own)
-            shape = "" if outputs[i] is None else _describe_shapes(outputs[i])
-            lines.append(f"{i:<7}{stage.name:<24}{device:<46}{n_layers:>7}{params:>12,}  "
-                         f"{shape}")
-        if len(self.replica_pipelines) > 1:
-            lines.append(
-                f"Data parallel: {len(self.replica_pipelines)} replicas; the devices above "
-                f"are replica 0's, replica r runs stage k on " + "; ".join(
-                    f"r={r}: {[p.devices[d] for d in p.stage_device]}"
-                    for r, p in enumerate(self.replica_pipelines) if r))
-        if self.balance is not None:
-            how = ("as given to from_model" if self.balance_method == "explicit"
-                   else f"from_model, by {self.balance_method}")
-            lines.append(f"Balance: {self.balance} units per stage ({how})")
-        return "\n".join(lines)
+        return summary.stage_table(
+            self.stages, self.stage_devices, getattr(self, "_stage_outputs", None),
+            self.pipeline_config, len(self.pipeline_devices),
+            [[p.devices[d].name for d in p.stage_device] for p in self.replica_pipelines],
+            self.balance, self.balance_method)
 
     def to_keras(self, device=None, include_optimizer=True):
         """The plain Keras model with this pipeline's weights, on one device
-        (`tfpipe.layout.to_keras`)."""
-        return layout.to_keras(self, device=device, include_optimizer=include_optimizer)
+        (`tfpipe.saving.to_keras`)."""
+        return saving.to_keras(self, device=device, include_optimizer=include_optimizer)
 
     def summary(self, *args, print_fn=None, **kwargs):
         """Keras' summary, then the stage table (`pipeline_summary`)."""
@@ -799,7 +642,7 @@ class PipelinedModel(keras.Model):
         else:
             saved = config_lib.PipelineConfig.from_json(saved).settings()
         settings = config_lib.merge(saved, strategy.given_settings).settings()
-        request = layout.current_load_request()
+        request = saving.current_load_request()
         if request is not None:  # tfpipe.load_model's overrides come last
             settings.update({k: v for k, v in request.settings.items() if v is not None})
         name, input_dtype = config.pop("name", None), config.pop("input_dtype", "float32")
@@ -811,12 +654,12 @@ class PipelinedModel(keras.Model):
                     source = keras.saving.deserialize_keras_object(
                         config["source_model"], custom_objects=custom_objects)
                 named = {} if name is None else {"name": name}
-                balance = layout.choose_balance(
+                balance = saving.saved_balance(
                     config["balance"], strategy, schedules.get(settings["schedule"]),
                     where=f"The saved model {name!r}")
                 pipelined = cls.from_model(source, balance=balance, **named, **settings)
                 if balance == config["balance"]:
-                    pipelined._source.method = config.get("balance_method", "explicit")  # pylint: disable=protected-access
+                    pipelined._source.method = config.get("balance_method", "explicit")
                 return pipelined
             if request is not None and (request.balance is not None or len(
                     config["stages"]) != strategy.max_stages(schedules.get(settings["schedule"]))):
@@ -845,17 +688,3 @@ class _StageList:
 
     def __init__(self, stages):
         self.stages = list(stages)
-
-
-def _describe_shapes(structure):
-    """'(None, 16)' of a tensor, '[(None, 4), (None, 4)]' of a nest."""
-    shapes = [tuple(t.shape) for t in tf.nest.flatten(structure) if t is not None]
-    return str(shapes[0]) if len(shapes) == 1 else str(shapes)
-
-
-def _describe(structure):
-    """'shape (None, 2, 2), float32' of a tensor, or of each leaf of a nest."""
-    leaves = [t for t in tf.nest.flatten(structure) if t is not None]
-    parts = [f"shape {tuple(t.shape)}, {keras.backend.standardize_dtype(t.dtype)}"
-             for t in leaves]
-    return parts[0] if len(parts) == 1 else "; ".join(parts)

@@ -69,7 +69,6 @@ import tensorflow as tf
 from tfpipe import graph as graph_lib
 from tfpipe import partition
 from tfpipe import placement
-from tfpipe import recompute as recompute_lib
 from tfpipe import schedules
 
 # Optimizer state per trainable parameter, in units of the parameter's bytes.
@@ -439,7 +438,7 @@ def _activation_peaks(sim, info, mode, m_count, k_count):
         live, kept = {}, {}
         for action, start, end in row:
             s, m = action.stage, action.microbatch
-            rec = recompute_lib.should_recompute(mode, m, m_count)
+            rec = schedules.is_recomputed(mode, m, m_count)
             extra = freed = 0.0
             if action.kind == "F":
                 kept[s, m] = info[s]["input"] if rec else info[s]["stash"]
@@ -739,7 +738,7 @@ def plan(model, batch_size, num_microbatches, num_stages=None, devices=None, sch
     schedule = schedules.get(schedule)
     if recompute is None:
         recompute = pipelined.recompute if pipelined is not None else "except_last"
-    recompute = recompute_lib.validate(recompute)
+    recompute = schedules.validate_recompute(recompute)
     if devices is None:
         devices = (list(pipelined.pipeline_devices) if pipelined is not None
                    else placement.default_devices())
@@ -832,7 +831,7 @@ def _recommend(chosen, evaluate, units, batch_size, d_count, n_units, max_microb
             if k == len(chosen.balance) and chosen.balance not in balances:
                 balances.append(chosen.balance)
             for balance in balances:
-                for mode in recompute_lib.RECOMPUTE_MODES:
+                for mode in schedules.RECOMPUTE_MODES:
                     options.append(evaluate(m, schedule, mode, balance))
     fitting = [o for o in options if o.fits(limit) is not False]
     if not fitting:

@@ -52,8 +52,6 @@ import os
 import keras
 import tensorflow as tf
 
-from tfpipe import engine
-from tfpipe import loss as loss_lib
 from tfpipe import schedules
 
 # What each figure means, in the words the chart, the Chrome trace and
@@ -362,20 +360,18 @@ def record_step(model, x, y=None, sample_weight=None, repeats=2):
     if not getattr(model, "compiled", False) or not model.built:
         raise ValueError("record_step needs a built, compiled PipelinedModel "
                          "(call model.compile and model.build or fit first).")
-    model._check_batch(int(tf.nest.flatten(x)[0].shape[0]), None, "record_step")  # pylint: disable=protected-access
-    pipeline = engine.Pipeline(model.stages, model.pipeline_devices, model.pipeline_config)
-    # A benchmark's one-stream-per-device emulation applies to the recording too.
-    pipeline.serialize_ops = model.pipeline.serialize_ops
+    model.check_batch_size(None, int(tf.nest.flatten(x)[0].shape[0]), "record_step")
+    # The model's own pipeline: its trace options (a benchmark's one stream
+    # per device, `serialize_ops`) apply to the recording too.
+    pipeline = model.pipeline
     state = list(model.non_trainable_variables)
     meta = []  # filled once, when the step is traced: what each timestamp pair is
 
     @tf.function(jit_compile=False)
     def step(data):
         saved = [tf.identity(v.value) for v in state]
-        batch = model._batch(data)  # pylint: disable=protected-access
         events = []
-        result = pipeline.train(batch, loss_lib.LossSplit(model._compile_loss),  # pylint: disable=protected-access
-                                timeline=events)
+        result = pipeline.train(model.split_batch(data), model.loss_split(), timeline=events)
         with tf.control_dependencies([e["end"] for e in events] + [result.loss]):
             for var, value in zip(state, saved):
                 var.assign(value)

@@ -1,12 +1,8 @@
-"""Pipeline schedules as data: for each device, the ordered list of its actions.
+"""The built-in pipeline schedules, as data: for each device, its ordered actions.
 
-An action is (kind, stage, micro-batch): `F` runs a stage's forward on one
-micro-batch, `B` its backward; a split backward is `I` (the gradient of the
-stage input, on the critical path) then `W` (the weight gradients, which can
-wait). The kinds, their dependencies, costs and memory effects are one table,
-`KINDS`, that validation, simulation and the clock read. A schedule maps (M micro-batches, D devices) to
-one list of actions per device; nothing here needs TensorFlow, so a schedule
-can be printed, validated and simulated before it runs:
+A schedule maps (M micro-batches, D devices) to one list of actions per
+device (`tfpipe.actions`: F, B, I, W); nothing here needs TensorFlow, so a
+schedule can be printed, validated and simulated before it runs:
 
 >>> schedule = OneFOneB()
 >>> print(schedule.format(num_microbatches=3, num_devices=2))
@@ -15,210 +11,23 @@ device 1: F1.0 B1.0 F1.1 B1.1 F1.2 B1.2
 >>> simulate(schedule, 3, 2).bubble_fraction   # (K - 1) / (M + K - 1)
 0.25
 
-Dependencies between actions (what `validate` checks and the engine obeys):
-  F(s, m) needs F(s - 1, m);
-  B(s, m) and I(s, m) need F(s, m) and the input gradient of (s + 1, m),
-    which B(s + 1, m) or I(s + 1, m) produces (whichever the table has);
-  W(s, m) needs I(s, m).
-Every (stage, micro-batch) has one F and either one B or one I and one W.
-The last stage's loss is computed right after its forward, on its device.
-
 Stage s lives on device `schedule.stage_device(s, D)`: s for GPipe, 1F1B and
 ZB-H1 (K = D stages), s mod D for `Interleaved` (K = v * D stages, v per
 device), and a V for ZB-V (device d holds stages d and 2D - 1 - d).
 New schedules are a new table (subclass `Schedule` and implement `actions`,
-or pass a literal table to `Table`), not a new engine.
+or pass a literal table to `Table`), not a new engine. `simulate`,
+`validate`, `clock_ticks` are `tfpipe.simulation`'s, taking names too.
 """
 
-import dataclasses
 import re
-from typing import NamedTuple
+
+from tfpipe import simulation
+from tfpipe.actions import (KINDS, RECOMPUTE_MODES, Action, ActionKind, Schedule,  # noqa: F401
+                            check_counts, input_gradient_action, is_recomputed,
+                            merge_split_backward, validate_recompute)
+from tfpipe.simulation import Simulation, tick_makespan  # noqa: F401
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
-
-
-class Action(NamedTuple):
-    """One unit of work: `kind` ("F", "B", "I" or "W", see `KINDS`) of
-    `stage` on `microbatch`."""
-
-    kind: str
-    stage: int
-    microbatch: int
-
-    def __str__(self):
-        return f"{self.kind}{self.stage}.{self.microbatch}"
-
-    @classmethod
-    def parse(cls, text):
-        """`Action.parse("B2.5") == Action("B", 2, 5)` (also "I2.5", "w2.5");
-        tuples pass through."""
-        if isinstance(text, Action):
-            return text
-        if isinstance(text, tuple) and len(text) == 3:
-            return cls(str(text[0]).upper(), int(text[1]), int(text[2]))
-        match = re.fullmatch(r"\s*([A-Za-z])\s*(\d+)\s*[.,:]\s*(\d+)\s*", str(text))
-        if not match or match.group(1).upper() not in KINDS:
-            forms = ", ".join(f"'{k}<stage>.<microbatch>' ({kind.description})"
-                              for k, kind in KINDS.items())
-            raise ValueError(
-                f"Cannot read action {text!r}; write actions as {forms} (e.g. 'F0.3'), "
-                f"or as (kind, stage, microbatch)."
-            )
-        return cls(match.group(1).upper(), int(match.group(2)), int(match.group(3)))
-
-
-@dataclasses.dataclass(frozen=True)
-class ActionKind:
-    """What one kind of action is, as data.
-
-    Attributes:
-      name: the letter ("F", "B", "I", "W").
-      description: a few words, for messages.
-      memory: change in the stage's live activations when it runs (F keeps
-        them, B and W free them; I keeps them for the W).
-      cost: which cost it takes in `simulate`: "forward", "backward",
-        "input" (backward_cost - weight_cost) or "weight" (weight_cost).
-      needs: (what, stage offset) pairs on the same micro-batch: `what` is a
-        kind, or "grad" for the input gradient of that stage (produced by B
-        or I, see `input_gradient_action`). Stages outside 0..K-1 are dropped.
-      input_gradient: whether it produces the stage input's gradient.
-      weight_gradient: whether it produces the stage's weight gradients.
-      rule: `needs` in words, for the deadlock message.
-    """
-
-    name: str
-    description: str
-    memory: int
-    cost: str
-    needs: tuple
-    input_gradient: bool
-    weight_gradient: bool
-    rule: str
-
-    def dependencies(self, action, num_stages, actions=()):
-        """The actions `action` (of this kind) waits for, in a table whose
-        actions are `actions` (any container; decides B or I for "grad")."""
-        out = []
-        for what, offset in self.needs:
-            stage = action.stage + offset
-            if 0 <= stage < num_stages:
-                if what == "grad":
-                    out.append(input_gradient_action(actions, stage, action.microbatch))
-                else:
-                    out.append(Action(what, stage, action.microbatch))
-        return out
-
-
-KINDS = {
-    "F": ActionKind("F", "forward", +1, "forward", (("F", -1),), False, False,
-                    "F(s,m) needs F(s-1,m)"),
-    "B": ActionKind("B", "full backward", -1, "backward", (("F", 0), ("grad", +1)), True, True,
-                    "B(s,m) and I(s,m) need F(s,m) and the input gradient of (s+1,m) "
-                    "from B(s+1,m) or I(s+1,m)"),
-    "I": ActionKind("I", "backward for the stage input's gradient", 0, "input",
-                    (("F", 0), ("grad", +1)), True, False, ""),
-    "W": ActionKind("W", "backward for the weight gradients", -1, "weight", (("I", 0),),
-                    False, True, "W(s,m) needs I(s,m)"),
-}
-# The ways to write one (stage, micro-batch)'s backward: one B, or an I and a W.
-BACKWARD_FORMS = (("B",), ("I", "W"))
-_RULES = "; ".join(kind.rule for kind in KINDS.values() if kind.rule) + "."
-
-
-# Re-materialisation policies (`tfpipe.recompute` applies them; `simulate`
-# prices them): which micro-batches replay their stage's forward before the
-# backward that needs its activations.
-RECOMPUTE_MODES = ("always", "except_last", "never")
-
-
-def validate_recompute(mode):
-    """Returns `mode` if it names a recompute policy, else raises ValueError."""
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(
-            f"Unknown recompute mode {mode!r}. Use one of {list(RECOMPUTE_MODES)}: "
-            f"'always' recomputes every stage in the backward pass, "
-            f"'except_last' all but the last micro-batch (as torchgpipe), "
-            f"'never' keeps all activations."
-        )
-    return mode
-
-
-def is_recomputed(mode, microbatch, num_microbatches):
-    """Whether micro-batch `microbatch` (0-based) of M replays its forward
-    under recompute `mode`: every one for "always", all but the last for
-    "except_last" (its activations are still there), none for "never"."""
-    validate_recompute(mode)
-    if mode == "always":
-        return True
-    if mode == "except_last":
-        return microbatch != num_microbatches - 1
-    return False
-
-
-def input_gradient_action(actions, stage, microbatch):
-    """The action that produces the input gradient of (stage, microbatch) in a
-    table holding `actions`: its I if there is one, else its B."""
-    for kind in KINDS.values():
-        if kind.input_gradient and kind.name != "B":
-            candidate = Action(kind.name, stage, microbatch)
-            if candidate in actions:
-                return candidate
-    return Action("B", stage, microbatch)
-
-
-def _check_counts(num_microbatches, num_devices):
-    for name, value in (("num_microbatches", num_microbatches), ("num_devices", num_devices)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-
-
-class Schedule:
-    """Base class: a schedule is `actions(M, D)`, one action list per device.
-
-    Subclasses set `name` and implement `actions`; `virtual_stages` (v) is the
-    number of stages each device holds (K = v * D); `splits_backward` says
-    whether the backward is split into I and W actions.
-    """
-
-    name = "schedule"
-    virtual_stages = 1
-    splits_backward = False
-
-    def num_stages(self, num_devices):
-        """K: how many model stages this schedule runs on `num_devices`."""
-        return self.virtual_stages * num_devices
-
-    def stage_device(self, stage, num_devices):
-        """Index of the device (0 <= d < D) that holds `stage`."""
-        return stage % num_devices
-
-    def check(self, num_microbatches, num_devices):
-        """Raises ValueError if the schedule cannot run this (M, D)."""
-        _check_counts(num_microbatches, num_devices)
-
-    def actions(self, num_microbatches, num_devices):
-        """A list of D lists of `Action`s, each in that device's run order."""
-        raise NotImplementedError
-
-    def format(self, num_microbatches, num_devices):
-        """The table as text, one line per device."""
-        table = self.actions(num_microbatches, num_devices)
-        return "\n".join(
-            f"device {d}: " + " ".join(str(a) for a in row) for d, row in enumerate(table)
-        )
-
-    def get_config(self):
-        return {}
-
-    def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
-        return f"{type(self).__name__}({args})"
-
-    def __eq__(self, other):
-        return type(self) is type(other) and self.get_config() == other.get_config()
-
-    def __hash__(self):
-        return hash((type(self).__name__, tuple(sorted(self.get_config().items()))))
 
 
 class GPipe(Schedule):
@@ -645,306 +454,6 @@ def from_config(config):
         arguments["schedule"] = from_config(arguments["schedule"])
     return classes[config["class"]](**arguments)
 
-
-# -- validation and simulation -------------------------------------------------
-
-
-def _dependencies(action, num_stages, actions=()):
-    return KINDS[action.kind].dependencies(action, num_stages, actions)
-
-
-def _table(schedule, num_microbatches, num_devices):
-    """Checks the table's contents (not its order); returns (table, K)."""
-    schedule = get(schedule)
-    table = [[Action.parse(a) for a in row] for row in
-             schedule.actions(num_microbatches, num_devices)]
-    k_count = schedule.num_stages(num_devices)
-    if len(table) != num_devices:
-        raise ValueError(f"{schedule!r} gave {len(table)} device rows for {num_devices} devices.")
-    seen = {}
-    for d, row in enumerate(table):
-        for a in row:
-            if a.kind not in KINDS:
-                raise ValueError(
-                    f"Action {a} has kind {a.kind!r}; use one of "
-                    + ", ".join(f"'{k}' ({kind.description})" for k, kind in KINDS.items())
-                    + "."
-                )
-            if not (0 <= a.stage < k_count and 0 <= a.microbatch < num_microbatches):
-                raise ValueError(
-                    f"Action {a} on device {d} is out of range: stages are 0..{k_count - 1} "
-                    f"and micro-batches 0..{num_microbatches - 1}."
-                )
-            home = schedule.stage_device(a.stage, num_devices)
-            if d != home:
-                raise ValueError(
-                    f"Action {a} is on device {d}, but stage {a.stage} lives on device {home}."
-                )
-            if a in seen:
-                raise ValueError(f"Action {a} appears twice (devices {seen[a]} and {d}).")
-            seen[a] = d
-    missing = []
-    for s in range(k_count):
-        for m in range(num_microbatches):
-            present = [k for k in KINDS if Action(k, s, m) in seen]
-            backward = [k for k in present if k != "F"]
-            forms = [f for f in BACKWARD_FORMS if set(backward) <= set(f)]
-            if not forms:
-                names = " and ".join(str(Action(k, s, m)) for k in backward)
-                raise ValueError(
-                    f"{schedule!r} with M={num_microbatches}, D={num_devices} has both "
-                    f"{names}: the backward of stage {s} on micro-batch {m} is either one B "
-                    f"or one I (input gradient) and one W (weight gradients), not both."
-                )
-            missing += [Action(k, s, m) for k in ("F",) + forms[0] if k not in present]
-    if missing:
-        names = ", ".join(str(a) for a in missing[:6])
-        raise ValueError(
-            f"{schedule!r} with M={num_microbatches}, D={num_devices} is missing "
-            f"{len(missing)} action(s): {names}{' ...' if len(missing) > 6 else ''}. "
-            f"Every stage needs one F and one B per micro-batch (or, split, one I and "
-            f"one W instead of the B)."
-        )
-    return table, k_count
-
-
-@dataclasses.dataclass
-class Simulation:
-    """What `simulate` found.
-
-    Attributes:
-      timeline: per device, a list of (action, start, end) in run order.
-      makespan: time from the first start to the last end (cost units).
-      bubble_fraction: idle share of D * makespan device time.
-      peak_activations: per device, the most stage activations alive at once
-        (the sum of the `KINDS` memory effects: forwards whose B or W has
-        not finished). With v stages per device each is 1/v of the
-        device's share of the model.
-      order: every (device, action) in start order, ties by device: an
-        order the engine can trace the step in.
-    """
-
-    timeline: list
-    makespan: float
-    bubble_fraction: float
-    peak_activations: list
-    order: list
-
-
-def _cost_function(forward_cost, backward_cost, weight_cost, virtual_stages,
-                   recompute="never", num_microbatches=None):
-    """cost(action) in `simulate`'s units; checks weight_cost <= backward_cost.
-    Under `recompute` the action that needs a replayed micro-batch's
-    activations first (its B or I) also pays the stage's forward."""
-
-    def per_stage(value, stage):
-        if isinstance(value, (int, float)):
-            return float(value) / virtual_stages
-        return float(value[stage])
-
-    def by_name(name, stage):
-        backward = per_stage(backward_cost, stage)
-        weight = (backward / 2 if weight_cost is None else per_stage(weight_cost, stage))
-        if not 0 <= weight <= backward:
-            raise ValueError(
-                f"weight_cost must be between 0 and backward_cost (W is part of the backward; "
-                f"I costs the rest), got weight_cost={weight_cost!r} and "
-                f"backward_cost={backward_cost!r} (stage {stage}: {weight} of {backward})."
-            )
-        return {"forward": lambda: per_stage(forward_cost, stage), "backward": lambda: backward,
-                "input": lambda: backward - weight, "weight": lambda: weight}[name]()
-
-    def cost(action):
-        own = by_name(KINDS[action.kind].cost, action.stage)
-        if (KINDS[action.kind].input_gradient
-                and is_recomputed(recompute, action.microbatch, num_microbatches)):
-            own += by_name("forward", action.stage)
-        return own
-
-    validate_recompute(recompute)  # a bad mode fails before any action is priced
-    return cost
-
-
-def _run(table, k_count, cost, describe):
-    """Event simulation of a checked table; raises naming a deadlock."""
-    d_count = len(table)
-    actions = {a for row in table for a in row}
-    finish, pos = {}, [0] * d_count
-    free = [0.0] * d_count
-    live, peak = [0] * d_count, [0] * d_count
-    timeline = [[] for _ in range(d_count)]
-    order = []
-    remaining = len(actions)
-    while remaining:
-        best = None
-        for d in range(d_count):
-            if pos[d] == len(table[d]):
-                continue
-            action = table[d][pos[d]]
-            deps = _dependencies(action, k_count, actions)
-            if all(dep in finish for dep in deps):
-                start = max([free[d]] + [finish[dep] for dep in deps])
-                if best is None or start < best[0]:
-                    best = (start, d, action)
-        if best is None:
-            blocked = []
-            for d in range(d_count):
-                if pos[d] < len(table[d]):
-                    action = table[d][pos[d]]
-                    need = [str(dep) for dep in _dependencies(action, k_count, actions)
-                            if dep not in finish]
-                    blocked.append(f"device {d} waits at {action} for {', '.join(need)}")
-            raise ValueError(
-                f"{describe} runs an action before its inputs exist, so it would deadlock: "
-                f"{'; '.join(blocked)}. {_RULES}"
-            )
-        start, d, action = best
-        end = start + cost(action)
-        finish[action] = end
-        free[d] = end
-        pos[d] += 1
-        remaining -= 1
-        timeline[d].append((action, start, end))
-        order.append((d, action))
-        # A device runs in order, so its earlier actions have ended: the stage
-        # activations alive now are the sum of its actions' memory effects.
-        live[d] += KINDS[action.kind].memory
-        peak[d] = max(peak[d], live[d])
-    makespan = max((row[-1][2] for row in timeline if row), default=0.0)
-    busy = sum(e - s for row in timeline for _, s, e in row)
-    bubble = 1.0 - busy / (d_count * makespan) if makespan else 0.0
-    return Simulation(timeline, makespan, round(bubble, 12), peak, order)
-
-
-def simulate(schedule, num_microbatches, num_devices, forward_cost=1.0, backward_cost=2.0,
-             weight_cost=None, recompute="never"):
-    """Runs the schedule on an idealised machine; validates it on the way.
-
-    Each device runs its actions in order; an action starts when its device is
-    free and its dependencies have finished (communication is free). Costs are
-    for one device's share of the model per micro-batch: with v stages per
-    device each stage's forward costs `forward_cost / v`. B costs
-    `backward_cost`; a split backward costs the same in two parts: W costs
-    `weight_cost` and I the rest.
-
-    Args:
-      schedule: a schedule instance or name.
-      num_microbatches: M.
-      num_devices: D.
-      forward_cost, backward_cost: float, or a list of K per-stage costs.
-      weight_cost: float or a list of K per-stage costs, at most
-        `backward_cost`; None: half of `backward_cost`.
-      recompute: "never", "always" or "except_last" (`RECOMPUTE_MODES`): a
-        micro-batch that replays its forward (`is_recomputed`) pays the
-        stage's forward cost again in its B (or I), so `backward_cost` is
-        the backward alone. With the defaults, GPipe's recompute step is
-        `simulate(s, M, D, recompute="always")`: a backward of 3 forwards.
-    Returns:
-      A `Simulation`.
-    Raises:
-      ValueError: the schedule is malformed (an action out of range, twice,
-        missing, or on the wrong device; a B together with an I or W) or runs
-        an action before its inputs exist (the schedule would deadlock); the
-        message names the actions.
-    """
-    schedule = get(schedule)
-    table, k_count = _table(schedule, num_microbatches, num_devices)
-    cost = _cost_function(forward_cost, backward_cost, weight_cost, schedule.virtual_stages,
-                          recompute, num_microbatches)
-    return _run(table, k_count, cost,
-                f"{schedule!r} with M={num_microbatches}, D={num_devices}")
-
-
-def validate(schedule, num_microbatches, num_devices):
-    """Checks `schedule` for (M, D); returns the (device, action) run order.
-
-    Raises ValueError naming the problem (see `simulate`).
-    """
-    return simulate(schedule, num_microbatches, num_devices).order
-
-
-def clock_ticks(schedule, num_microbatches, num_devices, forward_only=False, costs=None):
-    """The schedule on a clock: a list of ticks, each one action per device.
-
-    Args:
-      forward_only: keep only the F actions (evaluation and prediction).
-      costs: None: lock-step, every action takes one tick and a device runs
-        its next action at the first tick after its inputs exist. Or
-        (forward_cost, backward_cost, weight_cost) as in `simulate`: the
-        ticks follow the simulated event order instead; a tick starts at
-        every distinct simulated start time and each action sits at the tick
-        where it starts, its device idle (None) in the ticks in between.
-    Returns:
-      A list of T ticks, each a list of D entries: the `Action` device d runs
-      at that tick, or None (idle). An action's dependencies all ran at
-      earlier ticks, and each device's actions keep their table order. Used
-      by the engine's loop form (`tfpipe.loop`).
-    """
-    schedule = get(schedule)
-    table, k_count = _table(schedule, num_microbatches, num_devices)
-    if forward_only:
-        table = [[a for a in row if a.kind == "F"] for row in table]
-    if costs is not None:
-        forward, backward, *weight = costs
-        cost = _cost_function(forward, backward, weight[0] if weight else None,
-                              schedule.virtual_stages)
-        sim = _run(table, k_count, cost,
-                   f"{schedule!r} with M={num_microbatches}, D={num_devices}")
-        return _event_ticks(sim, k_count, num_devices)
-    actions = {a for row in table for a in row}
-    done, pos, ticks = set(), [0] * num_devices, []
-    while any(p < len(row) for p, row in zip(pos, table)):
-        tick = [None] * num_devices
-        for d, row in enumerate(table):
-            if pos[d] < len(row):
-                action = row[pos[d]]
-                if all(dep in done for dep in _dependencies(action, k_count, actions)):
-                    tick[d] = action
-        if not any(tick):
-            validate(schedule, num_microbatches, num_devices)  # raises, naming the actions
-            raise ValueError(f"{schedule!r} cannot be put on a clock.")
-        for d, action in enumerate(tick):
-            if action is not None:
-                done.add(action)
-                pos[d] += 1
-        ticks.append(tick)
-    return ticks
-
-
-def _event_ticks(sim, k_count, num_devices):
-    """Ticks at the simulated start times (see `clock_ticks(costs=...)`)."""
-    starts = sorted({start for row in sim.timeline for _, start, _ in row})
-    rank = {start: i for i, start in enumerate(starts)}
-    begins = {a: start for row in sim.timeline for a, start, _ in row}
-    actions = set(begins)
-    at, last = {}, [-1] * num_devices
-    for d, action in sim.order:
-        # With positive costs the start rank already comes after the device's
-        # previous action and every dependency; zero costs need the max.
-        tick = max([rank[begins[action]], last[d] + 1]
-                   + [at[dep] + 1 for dep in _dependencies(action, k_count, actions)])
-        at[action], last[d] = tick, tick
-    ticks = [[None] * num_devices for _ in range(1 + max(at.values(), default=-1))]
-    for d, action in sim.order:
-        ticks[at[action]][d] = action
-    return ticks
-
-
-def tick_makespan(ticks, forward_cost=1.0, backward_cost=2.0, weight_cost=None,
-                  virtual_stages=1):
-    """Time to run `ticks` with a barrier after each: the sum over ticks of
-    the longest action in the tick (costs as in `simulate`; floats are divided
-    by `virtual_stages`, the schedule's stages per device).
-
-    >>> tick_makespan(clock_ticks(OneFOneB(), 8, 4), 1.0, 3.0)
-    58.0
-    >>> simulate(OneFOneB(), 8, 4, 1.0, 3.0).makespan   # event-driven
-    44.0
-    """
-    cost = _cost_function(forward_cost, backward_cost, weight_cost, virtual_stages)
-    return sum(max((cost(a) for a in tick if a is not None), default=0.0) for tick in ticks)
-
-
 def clock_cycles(num_microbatches, num_stages):
     """GPipe's forward fill as ticks: at tick t stage k runs micro-batch t - k.
 
@@ -954,7 +463,7 @@ def clock_cycles(num_microbatches, num_stages):
     Returns:
       M + K - 1 ticks, each a list of (micro_batch, stage) pairs.
     """
-    _check_counts(num_microbatches, num_stages)
+    check_counts(num_microbatches, num_stages)
     return [
         [(t - k, k) for k in range(num_stages) if 0 <= t - k < num_microbatches]
         for t in range(num_microbatches + num_stages - 1)
@@ -964,3 +473,22 @@ def clock_cycles(num_microbatches, num_stages):
 def bubble_fraction(num_microbatches, num_stages):
     """GPipe's idle fraction with equal stages: (K - 1) / (M + K - 1)."""
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def simulate(schedule, num_microbatches, num_devices, forward_cost=1.0, backward_cost=2.0,
+             weight_cost=None, recompute="never"):
+    """`tfpipe.simulation.simulate` of a schedule instance or name (see there)."""
+    return simulation.simulate(get(schedule), num_microbatches, num_devices, forward_cost,
+                               backward_cost, weight_cost, recompute)
+
+
+def validate(schedule, num_microbatches, num_devices):
+    """Checks `schedule` (an instance or name) for (M, D); returns the
+    (device, action) run order (`tfpipe.simulation.validate`)."""
+    return simulation.validate(get(schedule), num_microbatches, num_devices)
+
+
+def clock_ticks(schedule, num_microbatches, num_devices, forward_only=False, costs=None):
+    """`tfpipe.simulation.clock_ticks` of a schedule instance or name."""
+    return simulation.clock_ticks(get(schedule), num_microbatches, num_devices,
+                                  forward_only, costs)

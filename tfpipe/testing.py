@@ -1,4 +1,5 @@
-"""Helpers for running pipelines on one machine: logical CPU devices."""
+"""Helpers for tests and development on one machine: logical CPU devices, and
+an observer that counts stage calls while a step is traced."""
 
 import tensorflow as tf
 
@@ -36,3 +37,26 @@ def use_logical_cpus(n):
             f"process. Call tfpipe.testing.use_logical_cpus({n}) before any "
             f"TensorFlow op runs (e.g. at the top of the script or in conftest.py)."
         ) from None
+
+
+class StageCalls:
+    """A trace observer (`PipelinedModel.set_trace_options(observer=...)`):
+    counts the calls of each stage's layer while steps are traced, replays
+    included (`per_stage[k]`).
+
+    >>> calls = tfpipe.testing.StageCalls()      # doctest: +SKIP
+    >>> model.set_trace_options(observer=calls)  # doctest: +SKIP
+    >>> model.fit(x, y); calls.per_stage          # doctest: +SKIP
+    [7, 7, 7, 7]
+    """
+
+    def __init__(self):
+        self.counts = {}
+
+    def on_stage_call(self, k):
+        self.counts[k] = self.counts.get(k, 0) + 1
+
+    @property
+    def per_stage(self):
+        """Calls per stage, stages 0..K-1 (K: the highest stage called + 1)."""
+        return [self.counts.get(k, 0) for k in range(1 + max(self.counts, default=-1))]

@@ -90,7 +90,7 @@ def test_record_step_with_one_stream_per_device(schedule):
     # in run order. A split W's weight half, made at I, waits for W's start
     # stamp: chained before it, the step had "nodes in a cycle".
     model = _model(schedule)
-    model.pipeline.serialize_ops = True
+    model.set_trace_options(serialize_ops=True)
     x, y = helpers.regression_data(n=16)
     timeline = tfpipe.profile.record_step(model, x, y)
     table = model.schedule.actions(4, 2)

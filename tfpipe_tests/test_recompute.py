@@ -26,10 +26,11 @@ def test_recompute_mode_counts_stage_calls(schedule, execution, mode, calls_per_
     with strategy.scope():
         model = tfpipe.PipelinedModel(helpers.mlp_layers(), input_shape=(None, 8))
         model.compile(optimizer="sgd", loss="mse")
-    model.pipeline.trace_calls = [0] * 4
+    calls = tfpipe.testing.StageCalls()
+    model.set_trace_options(observer=calls)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     # One trace of the training step; the pipeline does not retrace per step.
-    assert model.pipeline.trace_calls == calls_per_stage
+    assert calls.per_stage == calls_per_stage
 
 
 def _dropout_layers():

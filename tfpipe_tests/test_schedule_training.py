@@ -184,11 +184,12 @@ def test_stage_functions_trace_each_stage_once_whatever_m(name):
         model = _pipelined(ref, name, m, "stage_functions", "except_last",
                            dict(optimizer="sgd", loss="mse"))
         stages = model.pipeline.num_stages
-        model.pipeline.trace_calls = [0] * stages
+        calls = tfpipe.testing.StageCalls()
+        model.set_trace_options(observer=calls)
         step = tf.function(model.train_step, autograph=False)
         graph = step.get_concrete_function(
             (tf.TensorSpec([16, 8], tf.float32), tf.TensorSpec([16, 3], tf.float32))).graph
-        assert model.pipeline.trace_calls == [2] * stages
+        assert calls.per_stage == [2] * stages
         top = graph.get_operations()
         assert not [op.name for op in top if op.type == "MatMul"]
         calls = [op for op in top if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
@@ -213,7 +214,7 @@ def test_stage_function_step_grows_by_bookkeeping_only(name, per_stage_and_micro
         model = _pipelined(ref, name, m, "stage_functions", "always",
                            dict(optimizer="sgd", loss="mse"))
         step = tf.function(model.train_step, autograph=False)
-        with tfpipe.runtime.call_scope("stage_functions"):
+        with tfpipe.stage.call_scope(model.pipeline_config.traits):
             counts[m] = len(step.get_concrete_function(
                 (tf.TensorSpec([16, 8], tf.float32), tf.TensorSpec([16, 3], tf.float32))
             ).graph.get_operations())
@@ -309,7 +310,7 @@ def test_serialized_device_ops_train_exactly_and_are_chained():
     ref = helpers.reference(helpers.mlp_layers(), (8,))
     model = _pipelined(ref, "1f1b", 4, "unrolled", "except_last",
                        dict(optimizer="adam", loss="mse"))
-    model.pipeline.serialize_ops = True
+    model.set_trace_options(serialize_ops=True)
     ref.compile(optimizer="adam", loss="mse")
     _fit_both(ref, model, x, y)
     assert helpers.max_abs_diff(ref.get_weights(), helpers.stage_weights(model)) < TOL
@@ -320,7 +321,7 @@ def test_serialized_device_ops_train_exactly_and_are_chained():
     # optimizer's updates, traced after the pipeline, are not chained).
     waiting = [op for op in on_device_1 if op.control_inputs]
     assert len(waiting) > 100
-    model.pipeline.serialize_ops = False
+    model.set_trace_options(serialize_ops=False)
     plain = tf.function(model.train_step).get_concrete_function(
         (tf.TensorSpec([16, 8], tf.float32), tf.TensorSpec([16, 3], tf.float32))).graph
     assert sum(1 for op in plain.get_operations()
@@ -356,7 +357,8 @@ def test_split_backward_holds_weight_gradients_until_w(name, held_back):
         model = tfpipe.PipelinedModel([keras.layers.Dense(4), keras.layers.Dense(3)],
                                       input_shape=(None, 8))
         model.compile(optimizer="sgd", loss="mse")
-    model.pipeline.trace_calls = [0, 0]
+    calls = tfpipe.testing.StageCalls()
+    model.set_trace_options(observer=calls)
     graph = tf.function(model.train_step).get_concrete_function(
         (tf.TensorSpec([4, 8], tf.float32), tf.TensorSpec([4, 3], tf.float32))).graph
     weight_matmuls = [op for op in graph.get_operations()
@@ -364,7 +366,7 @@ def test_split_backward_holds_weight_gradients_until_w(name, held_back):
     assert len(weight_matmuls) == 4  # 2 stages x 2 micro-batches
     released = [op for op in weight_matmuls if op.control_inputs]
     assert len(released) == (4 if held_back else 0)
-    assert model.pipeline.trace_calls == [2, 2]  # one forward per micro-batch, no replay
+    assert calls.per_stage == [2, 2]  # one forward per micro-batch, no replay
 
 
 @pytest.mark.parametrize("rows, arithmetic", [(16, False), (None, True)])
@@ -390,7 +392,7 @@ def test_static_micro_batches_are_cut_at_constant_rows(rows, arithmetic):
                                                ("unrolled", False), ("loop", False)])
 def test_keras_step_functions_run_in_the_execution_call_scope(execution, scoped):
     """fit, evaluate and predict call their step through
-    `runtime.call_scope` under stage functions (grappler's function optimizer
+    `stage.call_scope` under stage functions (grappler's function optimizer
     off), once, however often Keras asks for the function."""
     ref = helpers.reference(helpers.mlp_layers(), (8,))
     model = _pipelined(ref, "gpipe", 2, execution, "always", dict(optimizer="sgd", loss="mse"))

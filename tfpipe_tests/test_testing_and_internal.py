@@ -278,7 +278,7 @@ def test_called_function_calls_its_concrete_function_on_tf_ordered_tensors(args_
     call passes in `tf.nest.flatten` order, so `CalledFunction` calls
     `call_concrete` (private `_call_flat`) on them and gets what TF's own call
     gives; an argument it cannot key (a SparseTensor) goes through TF's call."""
-    from tfpipe import runtime  # pylint: disable=import-outside-toplevel
+    from tfpipe import stage  # pylint: disable=import-outside-toplevel
 
     def body(a, b, c, scale, d):
         total = sum(tf.reduce_sum(tf.sparse.to_dense(t) if isinstance(t, tf.SparseTensor) else t)
@@ -286,7 +286,7 @@ def test_called_function_calls_its_concrete_function_on_tf_ordered_tensors(args_
                     if t is not None)
         return {"total": total * scale, "pair": [total, None]}
 
-    called = runtime.CalledFunction(body)
+    called = stage.CalledFunction(body)
     results = {}
 
     @tf.function(autograph=False)

@@ -688,8 +688,8 @@ def test_a_bad_train_config_raises_a_run_error(tmp_path, changes, message):
 def test_flag_choices_match_the_library():
     import tfpipe  # pylint: disable=import-outside-toplevel
 
-    assert config_lib.RECOMPUTE_MODES[1:] == tfpipe.recompute.RECOMPUTE_MODES
-    assert config_lib.EXECUTIONS[1:] == tfpipe.recompute.EXECUTIONS
+    assert config_lib.RECOMPUTE_MODES[1:] == tfpipe.schedules.RECOMPUTE_MODES
+    assert config_lib.EXECUTIONS[1:] == tuple(tfpipe.config.EXECUTIONS)
     for name in ("gpipe", "1f1b", "interleaved", "interleaved:3", "zbh1", "zbv",
                  "1f1b/segments=2", "zbv/segments=3"):
         assert tfpipe.schedules.get(name).virtual_stages == config_lib.virtual_stages(name)

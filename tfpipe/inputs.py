@@ -1,0 +1,197 @@
+"""What `fit`, `evaluate` and `predict` are given, checked before Keras runs.
+
+Each check raises a `ValueError` that names the call, the value and the fix,
+where Keras would fail deep inside a traced step or not at all: a batch
+smaller than M (or than R x M), arrays without labels for a compiled loss,
+a call under another strategy's scope, a dict fed to stages built for one
+input, inputs Keras cannot split over data-parallel replicas, and a batch
+size the loop execution under XLA cannot take. `input_spec` reads the
+shapes and dtypes a model is built from.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpipe import xla
+
+
+def is_shape(value):
+    """Whether `value` is one shape: a tuple or list of ints and Nones."""
+    return isinstance(value, (tuple, list, tf.TensorShape)) and all(
+        d is None or isinstance(d, int) for d in value
+    )
+
+
+def map_shapes(fn, shapes):
+    """`fn` applied to every shape of a nest of shapes."""
+    if is_shape(shapes):
+        return fn(tuple(shapes))
+    if isinstance(shapes, dict):
+        return {k: map_shapes(fn, v) for k, v in shapes.items()}
+    if isinstance(shapes, (list, tuple)):
+        return type(shapes)(map_shapes(fn, v) for v in shapes)
+    raise ValueError(f"input_shape must be a shape tuple or a nest of them, got {shapes!r}.")
+
+
+def check_stages(stages):
+    """`stages` as a list of K Keras layers; a ValueError naming the bad one."""
+    if isinstance(stages, keras.layers.Layer) or not isinstance(stages, (list, tuple)):
+        raise ValueError(
+            f"stages must be a list of Keras layers (one per stage), got "
+            f"{type(stages).__name__}. To cut one model use PipelinedModel.from_model."
+        )
+    stages = list(stages)
+    if not stages:
+        raise ValueError("stages is empty; a pipeline needs at least one stage.")
+    for k, stage in enumerate(stages):
+        if stage is None or (isinstance(stage, (list, tuple)) and not stage):
+            raise ValueError(f"Stage {k} is empty; every stage needs at least one layer.")
+        if not isinstance(stage, keras.layers.Layer):
+            raise ValueError(
+                f"Stage {k} must be a Keras layer or model, got {type(stage).__name__}."
+            )
+        if isinstance(stage, keras.Sequential) and not stage.layers:
+            raise ValueError(
+                f"Stage {k} ({stage.name!r}) is an empty Sequential; every stage "
+                f"needs at least one layer."
+            )
+    return stages
+
+
+def _iterated(x):
+    """Whether `x` gives its batches only when iterated (a generator or a
+    `keras.utils.PyDataset`)."""
+    return isinstance(x, keras.utils.PyDataset) or callable(getattr(x, "__next__", None))
+
+
+def _keras_batch_size(batch_size, x):
+    """The batch size Keras will use for `x`: batch_size, or 32 for arrays."""
+    if batch_size is not None:
+        return batch_size
+    if x is None or isinstance(x, tf.data.Dataset) or _iterated(x):
+        return None  # batches come ready-made
+    return 32
+
+
+def _dataset_batch_size(x):
+    if isinstance(x, tf.data.Dataset):
+        for spec in tf.nest.flatten(x.element_spec):
+            shape = getattr(spec, "shape", None)
+            if shape is not None and shape.rank:
+                return shape[0]
+    return None
+
+
+def check_batch(x, batch_size, what, num_microbatches, num_replicas, static_for=None):
+    """Refuses batches that would leave micro-batches empty.
+
+    Args:
+      x, batch_size: what the Keras call was given.
+      what: the call, e.g. "fit", for the message.
+      num_microbatches: M; num_replicas: R.
+      static_for: why every batch must have one static size that is a
+        multiple of M (e.g. "execution='loop' under jit_compile=True"), or None.
+    """
+    m, r = num_microbatches, num_replicas
+    if static_for is not None:
+        xla.check_static_batch(x, batch_size, m, what, static_for)
+    for size in (_keras_batch_size(batch_size, x), _dataset_batch_size(x)):
+        if size is not None and r > 1 and size < m * r:
+            raise ValueError(
+                f"{what}: batch size {size} is split over num_replicas={r} "
+                f"data-parallel replicas of num_microbatches={m} micro-batches each, "
+                f"so some micro-batches would be empty. Use a global batch size of "
+                f"at least {m * r} (a multiple of {m * r} keeps every micro-batch "
+                f"the same size).")
+        if size is not None and size < m:
+            raise ValueError(
+                f"{what}: batch size {size} is smaller than num_microbatches={m}, "
+                f"so {m - size} micro-batch(es) of every batch would be empty. Use a "
+                f"batch size of at least {m} (a multiple of {m} keeps every "
+                f"micro-batch the same size) or num_microbatches <= {size}."
+            )
+
+
+def check_labels(x, y, what, has_loss):
+    """Arrays without labels for a model compiled with a loss."""
+    arrays = not (x is None or isinstance(x, tf.data.Dataset) or _iterated(x))
+    if arrays and y is None and has_loss:
+        raise ValueError(
+            f"{what}: the model was compiled with a loss but the data has no labels "
+            f"(y=None). Pass y, or compile without a loss.")
+
+
+def check_scope(what, strategy):
+    """A call under another strategy's scope than the model's own."""
+    if tf.distribute.has_strategy() and tf.distribute.get_strategy() is not strategy:
+        raise ValueError(
+            f"{what}: called under {type(tf.distribute.get_strategy()).__name__}'s "
+            f"scope, but this model belongs to its own tfpipe.PipelineStrategy "
+            f"({strategy.num_stages} stages); call it outside any "
+            f"strategy scope or inside that one.")
+
+
+def check_dict_for_one_input(x, what, built_shape):
+    """A dict fed to hand-made stages built for one unnamed input."""
+    if isinstance(x, dict) and built_shape is not None and not isinstance(built_shape, dict):
+        raise ValueError(
+            f"{what}: x is a dict (keys {sorted(x)}) but the pipeline takes one input "
+            f"of shape {tuple(built_shape)}; pass the array, or use "
+            f"PipelinedModel.from_model with keras.Inputs of those names.")
+
+
+def check_replicated_inputs(x, what, num_replicas):
+    """With several replicas Keras reduces the first distributed batch to
+    build metrics, which fails deep in TensorFlow on strings, SparseTensors
+    and RaggedTensors; say so up front."""
+    if num_replicas == 1 or x is None:
+        return
+    if isinstance(x, tf.data.Dataset):
+        leaves = tf.nest.flatten(x.element_spec)
+    elif _iterated(x):
+        return
+    else:
+        leaves = tf.nest.flatten(x)
+    for leaf in leaves:
+        kind = None
+        if isinstance(leaf, (tf.SparseTensor, tf.SparseTensorSpec)):
+            kind = "a tf.SparseTensor"
+        elif isinstance(leaf, (tf.RaggedTensor, tf.RaggedTensorSpec)):
+            kind = "a tf.RaggedTensor"
+        elif (leaf.dtype.kind in "OSU" if isinstance(leaf, np.ndarray)
+              else isinstance(leaf, (tf.Tensor, tf.TensorSpec)) and leaf.dtype == tf.string):
+            kind = "strings"
+        if kind:
+            raise ValueError(
+                f"{what}: an input is {kind}, which Keras cannot split over the "
+                f"strategy's num_replicas={num_replicas} "
+                f"data-parallel replicas. Use one replica (num_replicas=1), or turn "
+                f"it into a dense numeric tensor in the input pipeline (e.g. "
+                f"tf.data .map with the preprocessing layer, tf.sparse.to_dense, "
+                f"RaggedTensor.to_tensor).")
+
+
+def input_spec(x):
+    """(shapes, dtype) a model can be built from for the inputs `x` (arrays
+    or a `tf.data.Dataset`; batch dimension None), or None when the batches
+    are only known once iterated."""
+    if x is None or _iterated(x):
+        return None
+    if isinstance(x, tf.data.Dataset):
+        spec = x.element_spec
+        features = spec[0] if isinstance(spec, tuple) else spec
+        leaves = tf.nest.flatten(features)
+        shapes = tf.nest.map_structure(lambda s: tuple(s.shape), features)
+    else:
+        leaves = tf.nest.flatten(x)
+        shapes = tf.nest.map_structure(lambda a: (None,) + tuple(np.shape(a))[1:], x)
+    dtype = keras.backend.standardize_dtype(leaves[0].dtype) if leaves else None
+    return shapes, dtype
+
+
+def validation_inputs(validation_data):
+    """The inputs of `fit`'s `validation_data` (a dataset, or (x, y[, w]))."""
+    if validation_data is None or isinstance(validation_data, tf.data.Dataset):
+        return validation_data
+    return validation_data[0]
