@@ -2,7 +2,9 @@
 
 Nothing here imports TensorFlow: `launch.train` registers these checks as
 absl flag validators, so a bad flag is one line and exit code 1 within a
-fraction of a second, before TensorFlow starts (which takes 5-8 s). The same
+fraction of a second, before TensorFlow starts (which takes 5-8 s). The rules
+that are the library's are asked of it (`tfpipe.config` and
+`tfpipe.schedules` are pure Python), in our flags' words (`FLAGS`). The same
 checks run again when `train(TrainConfig(...))` is called directly, then as
 a `RunError`.
 
@@ -23,6 +25,8 @@ import os
 import re
 
 from launch import data as data_lib
+from tfpipe import config as tfpipe_config
+from tfpipe import schedules
 
 
 class RunError(ValueError):
@@ -91,43 +95,24 @@ MODEL_DATA = {
     "transformer": ("text", "pydoc_topics"),
     "unet": ("segmentation", "digits_masks"),
 }
-RECOMPUTE_MODES = ("auto", "always", "except_last", "never")  # auto: tfpipe's default
-EXECUTIONS = ("auto", "unrolled", "stage_functions", "loop")  # auto: tfpipe's choice
+RECOMPUTE_MODES = ("auto",) + schedules.RECOMPUTE_MODES  # auto: tfpipe's default
+EXECUTIONS = ("auto",) + tuple(tfpipe_config.EXECUTIONS)  # auto: tfpipe's choice
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved:V", "zbh1", "zbv",
              "NAME/segments=N")
 
 
-def _schedules():
-    """`tfpipe.schedules` (pure Python) without starting TensorFlow:
-    `import tfpipe` would, so before TensorFlow is loaded the module is read
-    from its file."""
-    import sys  # pylint: disable=import-outside-toplevel
-    if "tensorflow" in sys.modules:
-        import tfpipe.schedules  # pylint: disable=import-outside-toplevel
-        return tfpipe.schedules
-    name = "_launch_tfpipe_schedules"
-    if name not in sys.modules:
-        import importlib.util  # pylint: disable=import-outside-toplevel
-        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                            "tfpipe", "schedules.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 KEEP_CHECKPOINTS = 3  # the newest this many committed checkpoints are kept
 MAX_SEED = 2**32 - 1  # numpy's legacy seeding (keras.utils.set_random_seed) takes < 2**32
 
 
-def virtual_stages(schedule):
-    """Stages per device of a valid schedule name (v for interleaved:v, 2 for
-    zbv, times n for NAME/segments=n)."""
-    return _schedules().get(schedule).virtual_stages
+# How tfpipe's own checks name the settings in their messages: as our flags.
+FLAGS = schedules.Spelling(flags={"num_stages": "stages", "num_microbatches": "microbatches"},
+                           unset="auto")
 
 
 def num_devices(config):
     """Devices the pipeline needs: one per stage, or stages / v when interleaved."""
-    return -(-config.stages // virtual_stages(config.schedule))
+    return schedules.devices_needed(config.schedule, config.stages)
 
 
 # -- one setting at a time: value -> None (fine) or what is wrong -----------------
@@ -167,7 +152,7 @@ def _check_schedule(value):
     if match and int(match.group(1)) < 1:
         return f"interleaved:V needs V >= 1 stages per device, got {value!r}"
     try:
-        _schedules().get(value)
+        schedules.get(value)
     except ValueError:
         return (f"unknown schedule {value!r}; valid choices: gpipe, 1f1b, interleaved "
                 f"(2 stages per device), interleaved:V (V stages per device, V >= 1), "
@@ -328,25 +313,21 @@ def _model_takes_the_dataset(s):
 
 
 def _stages_fit_the_schedule(s):
-    v = virtual_stages(s["schedule"])
-    if s["stages"] % v:
-        return (f"--schedule={s['schedule']} puts {v} stages on each device, so --stages "
-                f"must be a multiple of {v}; got --stages={s['stages']}. Use "
-                f"--stages={v * -(-s['stages'] // v)}.")
-    devices = s["stages"] // v
-    if s["schedule"].lower().startswith("interleaved") and s["microbatches"] % devices:
-        good = devices * -(-s["microbatches"] // devices)
-        return (f"--schedule={s['schedule']} needs --microbatches to be a multiple of its "
-                f"{devices} devices (--stages={s['stages']} / {v}); got "
-                f"--microbatches={s['microbatches']}. Use --microbatches={good}, or "
-                f"--schedule=1f1b.")
+    try:
+        schedules.devices_needed(s["schedule"], s["stages"], s["microbatches"], FLAGS)
+    except ValueError as err:
+        return str(err)
     return None
 
 
 def _loop_recomputes(s):
-    if s["execution"] == "loop" and s["recompute"] not in ("auto", "always"):
-        return (f"--execution=loop keeps only the stage inputs, so it needs "
-                f"--recompute=always (or auto); got --recompute={s['recompute']}.")
+    if s["execution"] == "auto":
+        return None
+    try:
+        tfpipe_config.resolve_recompute(None if s["recompute"] == "auto" else s["recompute"],
+                                        s["execution"], FLAGS)
+    except ValueError as err:
+        return str(err)
     return None
 
 
@@ -363,7 +344,7 @@ def _cluster_holds_the_stages(s):
     workers = cluster_workers(s["cluster"])
     if isinstance(workers, str):
         return workers
-    needed = -(-s["stages"] // virtual_stages(s["schedule"]))
+    needed = schedules.devices_needed(s["schedule"], s["stages"])
     if workers < needed:
         fix = (f"--cluster=local:{needed}" if s["cluster"] != "tf_config"
                else f"{needed} workers in TF_CONFIG")

@@ -156,6 +156,32 @@ def input_gradient_action(actions, stage, microbatch):
     return Action("B", stage, microbatch)
 
 
+class Spelling:
+    """How a caller names its settings in error messages: as library
+    arguments (`num_stages=3`, the default `ARGUMENTS`) or as the flags of
+    `launch.train` (`--stages=3`), so that one rule has one message.
+
+    Args:
+      flags: None for arguments; else {setting: flag name}, e.g.
+        {"num_stages": "stages"}.
+      unset: how the caller leaves a setting to tfpipe ("leave it unset",
+        "auto").
+    """
+
+    def __init__(self, flags=None, unset="leave it unset"):
+        self.flags, self.unset = flags, unset
+
+    def __call__(self, setting, *value):
+        """`setting`, or `setting` given `value[0]`, in the caller's words."""
+        if self.flags is None:
+            return f"{setting}={value[0]!r}" if value else setting
+        flag = f"--{self.flags.get(setting, setting)}"
+        return f"{flag}={value[0]}" if value else flag
+
+
+ARGUMENTS = Spelling()
+
+
 def check_counts(num_microbatches, num_devices):
     for name, value in (("num_microbatches", num_microbatches), ("num_devices", num_devices)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -182,8 +208,9 @@ class Schedule:
         """Index of the device (0 <= d < D) that holds `stage`."""
         return stage % num_devices
 
-    def check(self, num_microbatches, num_devices):
-        """Raises ValueError if the schedule cannot run this (M, D)."""
+    def check(self, num_microbatches, num_devices, spell=ARGUMENTS):
+        """Raises ValueError if the schedule cannot run this (M, D); the
+        message names the settings as `spell` (a `Spelling`) does."""
         check_counts(num_microbatches, num_devices)
 
     def actions(self, num_microbatches, num_devices):

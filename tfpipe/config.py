@@ -90,23 +90,25 @@ def execution(name):
     return EXECUTIONS[name]
 
 
-def resolve_recompute(mode, execution_name):
+def resolve_recompute(mode, execution_name, spell=schedules.ARGUMENTS):
     """The recompute mode to use: `mode`, or the default for the execution.
 
     The unrolled step (with or without stage functions) defaults to
     "except_last"; the loop form keeps only stage inputs, so it is always
-    "always" (and rejects other modes).
+    "always" (and rejects other modes). `spell`: how the caller names its
+    settings in the error (`tfpipe.schedules.Spelling`).
     """
     traits = execution(execution_name)
     if mode is None:
         return traits.default_recompute
     mode = schedules.validate_recompute(mode)
     if mode not in traits.recompute_modes:
+        need = traits.recompute_modes[0]
         raise ValueError(
-            f"execution='loop' keeps only stage inputs and recomputes every stage in "
-            f"the backward pass, so it needs recompute='always' (got recompute="
-            f"{mode!r}). Use recompute='always' (or leave it unset), or "
-            f"execution='unrolled' for {mode!r}."
+            f"{spell('execution', traits.name)} keeps only the stage inputs and recomputes "
+            f"every stage in the backward pass, so it needs {spell('recompute', need)} "
+            f"(or {spell.unset}); got {spell('recompute', mode)}. Use "
+            f"{spell('execution', 'unrolled')} for {mode!r}."
         )
     return mode
 

@@ -331,10 +331,10 @@ class _Layout:
     # -- the end of the step (what `Step.finish` reads) -----------------
 
     def finished(self, st):
-        return _FinishedStore(self, st)
+        return FinishedStore(self, st)
 
 
-class _FinishedStore:
+class FinishedStore:
     """The loop's final state, read by `Step.finish`/`finish_forward`."""
 
     def __init__(self, layout, st):

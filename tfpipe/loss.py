@@ -122,23 +122,23 @@ class LossSplit:
     """
 
     def __init__(self, compile_loss):
-        self._compile_loss = compile_loss
+        self._keras_loss = compile_loss
         self.terms = []
         self._built = False
 
     def build(self, y_true, y_pred):
         """Resolves the terms for these structures (micro-batch tensors)."""
-        if self._built or self._compile_loss is None:
+        if self._built or self._keras_loss is None:
             self._built = True
             return
         if y_true is None:
             raise ValueError(
                 "The model was compiled with a loss but the data has no labels (y). "
                 "Pass y to fit/evaluate, or compile without a loss.")
-        y_true, y_pred = _reconcile(self._compile_loss, y_true, y_pred)
-        if not self._compile_loss.built:
-            self._compile_loss.build(y_true, y_pred)
-        self.terms = [Term(*t) for t in _internal.compiled_loss_terms(self._compile_loss)]
+        y_true, y_pred = _reconcile(self._keras_loss, y_true, y_pred)
+        if not self._keras_loss.built:
+            self._keras_loss.build(y_true, y_pred)
+        self.terms = [Term(*t) for t in _internal.compiled_loss_terms(self._keras_loss)]
         for term in self.terms:
             reduction = getattr(term.loss, "reduction", "sum_over_batch_size")
             if reduction not in _MEANS + (SUM,):
@@ -153,14 +153,14 @@ class LossSplit:
     def trackers(self):
         """Keras' per-output loss metrics (`<output>_loss`), aligned with `terms`
         (only when there are several terms, as in Keras)."""
-        if self._compile_loss is None or len(self.terms) < 2:
+        if self._keras_loss is None or len(self.terms) < 2:
             return []
-        return list(self._compile_loss.metrics)
+        return list(self._keras_loss.metrics)
 
     def arrange(self, y_true, y_pred, sample_weight):
         """(y_true, y_pred, sample_weight) arranged like the built structures."""
-        y_true, y_pred = _reconcile(self._compile_loss, y_true, y_pred)
-        true_struct, pred_struct = _internal.compiled_loss_structures(self._compile_loss)
+        y_true, y_pred = _reconcile(self._keras_loss, y_true, y_pred)
+        true_struct, pred_struct = _internal.compiled_loss_structures(self._keras_loss)
         tree = keras.tree
         if pred_struct is not None:
             try:

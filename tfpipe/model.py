@@ -31,6 +31,7 @@ import tensorflow as tf
 from tfpipe import _internal
 from tfpipe import batchnorm
 from tfpipe import config as config_lib
+from tfpipe import cutting
 from tfpipe import devices as devices_lib
 from tfpipe import engine
 from tfpipe import gradients as gradients_lib
@@ -275,7 +276,7 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         schedule = schedules.get(kwargs.get("schedule") or strategy.schedule)
         balance, method = partition.choose_balance(graph, balance, strategy.max_stages(schedule),
                                                    sample)
-        stages = graph_lib.make_stages(graph, balance)
+        stages = cutting.make_stages(graph, balance)
         if "input_shape" not in kwargs and graph.input_shape is not None:
             kwargs["input_shape"] = graph.input_shape
             kwargs.setdefault("input_dtype", graph.input_dtype)
@@ -482,14 +483,14 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
     def _in_call_scope(self, function):
         traits = self.pipeline_config.traits
         if (function is None or not traits.stage_functions
-                or getattr(function, "_tfpipe_call_scope", False)):
+                or getattr(function, "tfpipe_call_scope", False)):
             return function
 
         @functools.wraps(function)
         def call(*args, **kwargs):
             with stage_lib.call_scope(traits):
                 return function(*args, **kwargs)
-        call._tfpipe_call_scope = True  # pylint: disable=protected-access
+        call.tfpipe_call_scope = True
         return call
 
     def split_batch(self, data):

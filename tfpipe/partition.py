@@ -13,21 +13,17 @@ unit from one of:
 
 The costs are those torchgpipe's `balance_by_time` / `balance_by_size`
 measure; the split is the exact optimum of the contiguous min-max problem (a
-dynamic programme, `split_by_costs`). Measurements run the model's own layers
-eagerly on the default device, in training mode; every variable they touch
-(BatchNorm statistics, seeds) is restored afterwards.
+dynamic programme, `split_by_costs`). The measurements are `tfpipe.costs`'s.
 """
-
-import time
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpipe import costs
 from tfpipe import graph as graph_lib
 
 BALANCE_METHODS = ("params", "time", "memory")
-DEFAULT_SAMPLE_BATCH = 8
 
 
 def validate_balance(balance, num_layers, num_devices, unit_name="layers"):
@@ -129,116 +125,19 @@ def balance_by_params(layers, num_stages):
     return split_by_costs(param_costs(layers), num_stages)
 
 
-def sample_batch(model_or_graph, batch_size=DEFAULT_SAMPLE_BATCH, seed=0):
-    """A random batch shaped like the model's inputs (floats ~ N(0, 1), ints 0).
-
-    Used by `from_model(balance="time" | "memory")` when no `sample=` is given.
-    """
-    graph = graph_lib.as_graph(model_or_graph)
-    rng = np.random.default_rng(seed)
-
-    def make(ref):
-        shape, dtype = graph.specs[ref.id]
-        if shape is None or any(d is None for d in shape[1:]):
-            raise ValueError(
-                f"Cannot make a sample batch for {graph.model.name!r}: input shape "
-                f"{shape} is not fully known. Pass sample=<a batch of inputs>."
-            )
-        shape = (batch_size,) + tuple(shape[1:])
-        if "float" in dtype:
-            return tf.constant(rng.normal(size=shape).astype(dtype))
-        return tf.zeros(shape, dtype)
-
-    return graph_lib.map_template(make, graph.inputs)
-
-
-def _walk(graph, sample):
-    """(unit, op inputs env) pairs on `sample`, running the model's own layers."""
-    template = graph.inputs
-    if isinstance(template, list) and len(template) == 1 and not isinstance(sample, (list, tuple)):
-        sample = [sample]
-    flat = graph_lib.flatten_like(template, sample, f"sample for {graph.model.name!r}")
-    ids = graph_lib.refs(template)
-    env = {}
-    for i, x in zip(ids, flat):
-        dtype = graph.specs[i][1] or "float32"
-        env[i] = tf.cast(tf.convert_to_tensor(x), dtype)
-    return env
-
-
-class _Restore:
-    """Puts every variable of `model` back as it was (BN statistics, seeds)."""
-
-    def __init__(self, model):
-        self.variables = list(model.variables)
-
-    def __enter__(self):
-        self.saved = [v.numpy() for v in self.variables]
-        return self
-
-    def __exit__(self, *exc):
-        for var, value in zip(self.variables, self.saved):
-            var.assign(value)
-
-
-def _float(tensors):
-    return [t for t in tensors if t.dtype.is_floating]
-
-
 def time_costs(model, sample, repeats=3):
-    """Seconds of forward + backward of each unit on `sample` (best of `repeats`).
-
-    `model` may also be a `tfpipe.graph.Graph` read from it.
-    """
-    graph = graph_lib.as_graph(model)
-    model = graph.model
-    env = _walk(graph, sample)
-    costs = []
-    with _Restore(model):
-        for unit in graph.units:
-            inputs = [env[i] for i in unit.inputs]
-            weights = list(getattr(unit.op, "trainable_variables", []))
-            best = float("inf")
-            for attempt in range(repeats + 1):
-                start = time.perf_counter()
-                with tf.GradientTape() as tape:
-                    tape.watch(_float(inputs))
-                    out = graph_lib.call_unit(unit.op, unit.args, unit.kwargs, env, True)
-                outs = _float(tf.nest.flatten(out))
-                if outs and (_float(inputs) or weights):
-                    grads = tape.gradient(outs, _float(inputs) + weights,
-                                          output_gradients=[tf.ones_like(o) for o in outs])
-                    done = [g for g in grads if g is not None]
-                    if done:
-                        tf.reduce_sum(tf.convert_to_tensor(done[0])).numpy()  # wait for it
-                elif outs:
-                    tf.reduce_sum(outs[0]).numpy()
-                if attempt:  # the first run includes one-off kernel setup
-                    best = min(best, time.perf_counter() - start)
-            env.update(zip(unit.outputs, tf.nest.flatten(out)))
-            costs.append(best)
-    return costs
+    """Seconds of forward + backward of each unit on `sample`, the fastest of
+    `repeats` runs (`tfpipe.costs.measure`). `model` may be its `Graph`."""
+    units, _ = costs.measure(model, [sample], repeats)
+    rows = int(np.shape(next(t for t in tf.nest.flatten(sample) if t is not None))[0])
+    return [u.seconds(rows) for u in units]
 
 
 def memory_costs(model, sample):
-    """Bytes per unit on `sample`: its outputs (activations) plus its parameters.
-
-    `model` may also be a `tfpipe.graph.Graph` read from it.
-    """
-    graph = graph_lib.as_graph(model)
-    model = graph.model
-    env = _walk(graph, sample)
-    costs = []
-    with _Restore(model):
-        for unit in graph.units:
-            out = graph_lib.call_unit(unit.op, unit.args, unit.kwargs, env, True)
-            flat = tf.nest.flatten(out)
-            env.update(zip(unit.outputs, flat))
-            activations = sum(int(np.prod(t.shape)) * t.dtype.size for t in flat)
-            params = sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size
-                         for w in getattr(unit.op, "weights", []))
-            costs.append(activations + params)
-    return costs
+    """Bytes per unit on `sample`: its outputs (activations) plus its
+    parameters (`tfpipe.costs.measure`). `model` may be its `Graph`."""
+    units, _ = costs.measure(model, [sample], times=False, backward=False)
+    return [u.output_bytes + u.param_bytes for u in units]
 
 
 def balance_by_time(model, sample, num_stages, repeats=3):
@@ -279,7 +178,7 @@ def choose_balance(model, balance, num_stages, sample=None):
 
     `balance` is a list of counts (validated: at most `num_stages` stages),
     None or "params" (parameters), "time" or "memory" (measured on `sample`,
-    default a random batch of `DEFAULT_SAMPLE_BATCH` rows); the automatic
+    default a random batch of `tfpipe.costs.DEFAULT_SAMPLE_BATCH` rows); the automatic
     methods use min(num_stages, number of units) stages. `model` may be a
     `tfpipe.graph.Graph`.
     """
@@ -289,9 +188,10 @@ def choose_balance(model, balance, num_stages, sample=None):
     if balance is None or (isinstance(balance, str) and balance == "params"):
         counts, method = split_by_costs(param_costs(graph), k), "params"
     elif isinstance(balance, str) and balance in ("time", "memory"):
-        sample = sample_batch(graph) if sample is None else sample
-        costs = time_costs(graph, sample) if balance == "time" else memory_costs(graph, sample)
-        counts, method = split_by_costs(costs, k), balance
+        sample = costs.sample_batch(graph) if sample is None else sample
+        unit_costs = (time_costs(graph, sample) if balance == "time"
+                      else memory_costs(graph, sample))
+        counts, method = split_by_costs(unit_costs, k), balance
     elif isinstance(balance, str):
         raise ValueError(
             f"Unknown balance {balance!r}. Use a list of counts per stage, or one of "

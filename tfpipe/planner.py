@@ -64,8 +64,9 @@ import time
 
 import keras
 import numpy as np
-import tensorflow as tf
 
+from tfpipe import costs
+from tfpipe import cutting
 from tfpipe import graph as graph_lib
 from tfpipe import partition
 from tfpipe import placement
@@ -116,190 +117,6 @@ def optimizer_slots(optimizer):
         f"optimizer={optimizer!r} is not one the planner knows. Use a name "
         f"({', '.join(sorted(OPTIMIZER_SLOTS))} or 'sgd+momentum'), a Keras optimizer "
         f"instance, or the number of state slots per parameter (e.g. optimizer=2).")
-
-
-# -- per-unit measurement -------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Unit:
-    """What the planner knows of one unit (bytes at `rows` rows)."""
-
-    name: str
-    params: int            # elements of the weights it owns (first use)
-    param_bytes: int
-    trainable_bytes: int
-    saved_internal: int    # bytes its backward keeps of tensors made inside it
-    saved_ids: frozenset   # graph tensors (inputs or outputs) its backward keeps
-    workspace_bytes: int   # gradients alive during its backward
-    forward: tuple = (0.0, 0.0)    # seconds = a + b * rows: (a, b)
-    backward: tuple = (0.0, 0.0)
-
-
-def _nbytes(t):
-    shape = getattr(t, "shape", None)
-    if shape is None or shape.num_elements() is None:
-        return 0
-    return int(shape.num_elements()) * tf.as_dtype(t.dtype).size
-
-
-class _KeepState:
-    """Puts every variable of a model back as it was (BatchNorm statistics, seeds)."""
-
-    def __init__(self, variables):
-        self.variables = list(variables)
-
-    def __enter__(self):
-        self.saved = [v.numpy() for v in self.variables]
-
-    def __exit__(self, *exc):
-        for var, value in zip(self.variables, self.saved):
-            var.assign(value)
-
-
-def _unit_functions(unit, env):
-    """(forward, forward + backward) concrete functions of `unit` on `env`,
-    what the backward keeps (internal bytes, kept input/output ids) and the
-    largest tensor the backward makes (bytes)."""
-    input_ids = unit.inputs
-    floats = [i for i in input_ids if env[i].dtype.is_floating]
-    weights = list(getattr(unit.op, "trainable_variables", []))
-    traced = {}
-
-    def run(*inputs):
-        local = dict(env)
-        local.update(zip(input_ids, inputs))
-        out = graph_lib.call_unit(unit.op, unit.args, unit.kwargs, local, True)
-        return [o for o in tf.nest.flatten(out) if o is not None]
-
-    def forward(*inputs):
-        return run(*inputs)
-
-    def forward_backward(*inputs_and_seeds):
-        inputs = inputs_and_seeds[:len(input_ids)]
-        with tf.GradientTape() as tape:
-            tape.watch([x for i, x in zip(input_ids, inputs) if i in floats])
-            outs = run(*inputs)
-        graph = tf.compat.v1.get_default_graph()
-        traced["forward_ops"] = set(graph.get_operations())
-        traced["inputs"], traced["outputs"] = list(inputs), outs
-        float_outs = [o for o in outs if o.dtype.is_floating]
-        seeds = inputs_and_seeds[len(input_ids):]
-        sources = [x for i, x in zip(input_ids, inputs) if i in floats] + weights
-        if not float_outs or not sources:
-            return []
-        grads = tape.gradient(float_outs, sources, output_gradients=list(seeds))
-        return [g for g in grads if g is not None]
-
-    specs = [tf.TensorSpec(env[i].shape, env[i].dtype) for i in input_ids]
-    probe = run(*[env[i] for i in input_ids])
-    seeds = [tf.TensorSpec(o.shape, o.dtype) for o in probe if o.dtype.is_floating]
-    f = tf.function(forward).get_concrete_function(*specs)
-    fb = tf.function(forward_backward).get_concrete_function(*specs, *seeds)
-    forward_ops = traced["forward_ops"]
-    by_tensor = {}
-    for i, x in zip(input_ids, traced["inputs"]):
-        by_tensor[x.ref()] = i
-    outs_flat = traced["outputs"]
-    out_ids = list(unit.outputs)
-    for i, o in zip(out_ids, outs_flat):
-        by_tensor.setdefault(o.ref(), i)
-    internal, kept, largest = 0, set(), 0
-    seen = set()
-    for op in fb.graph.get_operations():
-        if op in forward_ops:
-            continue
-        largest = max([largest] + [_nbytes(t) for t in op.outputs if t.dtype.is_floating])
-        for t in op.inputs:
-            if t.ref() in seen or not t.dtype.is_floating:
-                continue
-            if t.op not in forward_ops or t.op.type in ("ReadVariableOp", "Const"):
-                continue
-            if t.op.type == "Placeholder" and t.ref() not in by_tensor:
-                continue  # an output-gradient seed or a captured value
-            seen.add(t.ref())
-            if t.ref() in by_tensor:
-                kept.add(by_tensor[t.ref()])
-            else:
-                internal += _nbytes(t)
-    return f, fb, internal, frozenset(kept), largest
-
-
-def _best_time(fn, args, repeats):
-    fn(*args)  # one warm-up run: first-call setup
-    best = float("inf")
-    for _ in range(max(1, repeats)):
-        start = time.perf_counter()
-        out = tf.nest.flatten(fn(*args), expand_composites=True)
-        if out:
-            out[0].numpy()  # wait for it (an IndexedSlices gradient: its values)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def _measure_units(graph, rows, repeats, measure_time):
-    """Per-unit `_Unit`s and {tensor id: bytes} at `rows` rows."""
-    sizes = sorted({rows, max(1, rows // 4)}) if measure_time else [rows]
-    model = graph.model
-    owner = set()
-    units, tensor_bytes = [], {}
-    envs = {}
-    with _KeepState(model.variables):
-        for r in sizes:
-            sample = partition.sample_batch(graph, batch_size=r)
-            template = graph.inputs
-            if isinstance(template, list) and len(template) == 1 and not isinstance(
-                    sample, (list, tuple)):
-                sample = [sample]
-            flat = graph_lib.flatten_like(template, sample, f"sample for {model.name!r}")
-            env = dict(zip(graph_lib.refs(template), flat))
-            envs[r] = graph_lib.run_units(graph.units, env, True)
-        env = envs[rows]
-        tensor_bytes = {i: _nbytes(t) for i, t in env.items()}
-        for unit in graph.units:
-            weights = [w for w in getattr(unit.op, "weights", []) if id(w) not in owner]
-            owner.update(id(w) for w in weights)
-            trainable = [w for w in weights if getattr(w, "trainable", False)]
-            f, fb, internal, kept, largest = _unit_functions(unit, env)
-            # Its backward holds the gradients of its outputs and of its inputs
-            # and, at most, one more gradient of its own size (ReLU's, say).
-            io = sum(tensor_bytes.get(i, 0) for i in unit.inputs + unit.outputs
-                     if env[i].dtype.is_floating)
-            record = _Unit(
-                name=getattr(unit.op, "name", type(unit.op).__name__),
-                params=sum(int(np.prod(w.shape)) for w in weights),
-                param_bytes=sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size
-                                for w in weights),
-                trainable_bytes=sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size
-                                    for w in trainable),
-                saved_internal=internal, saved_ids=kept, workspace_bytes=io + largest)
-            if measure_time:
-                points = []
-                for r in sizes:
-                    if r == rows:
-                        fr, fbr = f, fb
-                    else:
-                        fr, fbr, *_ = _unit_functions(unit, envs[r])
-                    args = [envs[r][i] for i in unit.inputs]
-                    seeds = [tf.ones_like(o) for o in fr(*args) if o.dtype.is_floating]
-                    t_f = _best_time(fr, args, repeats)
-                    t_fb = _best_time(fbr, args + seeds, repeats)
-                    points.append((r, t_f, max(t_fb - t_f, 0.0)))
-                record.forward = _affine([(r, a) for r, a, _ in points])
-                record.backward = _affine([(r, b) for r, _, b in points])
-            units.append(record)
-    return units, tensor_bytes
-
-
-def _affine(points):
-    """(a, b) >= 0 with time = a + b * rows through one or two (rows, time) points."""
-    if len(points) == 1:
-        r, t = points[0]
-        return 0.0, t / r
-    (r1, t1), (r2, t2) = sorted(points)
-    b = max((t2 - t1) / (r2 - r1), 0.0)
-    a = max(t2 - b * r2, 0.0)
-    return a, b
 
 
 # -- stages, memory walk, one configuration --------------------------------------
@@ -364,7 +181,7 @@ class _Config:
 
 
 def _stage_inputs(graph, balance):
-    pieces = graph_lib.cut(graph, balance)
+    pieces = cutting.cut(graph, balance)
     return [graph_lib.refs(piece.inputs) for piece in pieces]
 
 
@@ -493,15 +310,6 @@ class Recommendation:
     speedup: float
     fits: bool
     reason: str
-
-
-def _schedule_name(schedule):
-    schedule = schedules.get(schedule)
-    if isinstance(schedule, schedules.Interleaved):
-        return f"interleaved:{schedule.virtual_stages}"
-    if isinstance(schedule, schedules.Segmented):
-        return f"{_schedule_name(schedule.base)}/segments={schedule.segments}"
-    return getattr(schedule, "name", repr(schedule))
 
 
 def _mib(value):
@@ -759,19 +567,14 @@ def plan(model, batch_size, num_microbatches, num_stages=None, devices=None, sch
         raise ValueError(
             f"num_stages={k} but {graph.model.name!r} has only {n_units} "
             f"{graph.unit_name}; use at most {n_units} stages.")
-    if k % v:
-        raise ValueError(
-            f"schedule={_schedule_name(schedule)!r} puts {v} stages on each device, so "
-            f"num_stages must be a multiple of {v}; got num_stages={k}. Use "
-            f"num_stages={v * -(-k // v)}.")
-    d_count = k // v
+    d_count = schedules.devices_needed(schedule, k)
     if d_count > len(devices):
         raise ValueError(
-            f"num_stages={k} with schedule={_schedule_name(schedule)!r} needs {d_count} "
+            f"num_stages={k} with schedule={schedules.schedule_name(schedule)!r} needs {d_count} "
             f"devices; devices has {len(devices)} ({devices}). Pass more devices, or "
             f"num_stages <= {v * len(devices)}.")
     devices = devices[:d_count]
-    schedule.check(m, d_count)
+    schedule.check(m, d_count)  # M on D: the schedule's own rule
     if balance is None and model_balance is not None and len(model_balance) == k:
         balance = model_balance
     balance, method = partition.choose_balance(graph, balance, k)
@@ -780,7 +583,11 @@ def plan(model, batch_size, num_microbatches, num_stages=None, devices=None, sch
 
     started = time.perf_counter()
     rows = -(-batch_size // m)
-    units, tensor_bytes = _measure_units(graph, rows, repeats, measure_time)
+    # Two micro-batch sizes (this one and a quarter of it): time = a + b * rows.
+    sizes = [rows] + ([rows // 4] if measure_time and rows // 4 not in (0, rows) else [])
+    units, tensor_bytes = costs.measure(
+        graph, [costs.sample_batch(graph, batch_size=r) for r in sizes], repeats,
+        times=measure_time)
     measured = {"rows": rows, "repeats": repeats, "timed": bool(measure_time),
                 "seconds": time.perf_counter() - started, "balance_method": method}
 
@@ -799,7 +606,7 @@ def plan(model, batch_size, num_microbatches, num_stages=None, devices=None, sch
     measured["seconds"] = time.perf_counter() - started
     return Plan(
         model=graph.model.name, batch_size=batch_size, num_microbatches=m,
-        microbatch_rows=rows, schedule=_schedule_name(schedule), recompute=recompute,
+        microbatch_rows=rows, schedule=schedules.schedule_name(schedule), recompute=recompute,
         optimizer_slots=slots, balance=list(balance), devices=list(devices),
         stages=chosen.stages, device_peak_bytes=chosen.device_peak_bytes,
         host_peak_bytes=chosen.host_peak_bytes, step_time_s=chosen.step_time_s,
@@ -814,10 +621,8 @@ def _recommend(chosen, evaluate, units, batch_size, d_count, n_units, max_microb
     options = [chosen]
     for m in _candidates_m(batch_size, chosen.num_microbatches, max_microbatches):
         rows = -(-batch_size // m)
-        costs = [u.forward[0] + u.backward[0] + (u.forward[1] + u.backward[1]) * rows
-                 for u in units]
-        if not timed:
-            costs = [u.params + 1 for u in units]
+        unit_costs = ([u.seconds(rows) for u in units] if timed
+                      else [u.params + 1 for u in units])
         for name in RECOMMEND_SCHEDULES:
             schedule = schedules.get(name)
             k = schedule.virtual_stages * d_count
@@ -827,7 +632,7 @@ def _recommend(chosen, evaluate, units, batch_size, d_count, n_units, max_microb
                 schedule.check(m, d_count)
             except ValueError:
                 continue
-            balances = [partition.split_by_costs(costs, k)]
+            balances = [partition.split_by_costs(unit_costs, k)]
             if k == len(chosen.balance) and chosen.balance not in balances:
                 balances.append(chosen.balance)
             for balance in balances:
@@ -851,7 +656,7 @@ def _recommend(chosen, evaluate, units, batch_size, d_count, n_units, max_microb
     speedup = (chosen.step_time_s / best.step_time_s
                if timed and best.step_time_s else None)
     return Recommendation(
-        num_microbatches=best.num_microbatches, schedule=_schedule_name(best.schedule),
+        num_microbatches=best.num_microbatches, schedule=schedules.schedule_name(best.schedule),
         recompute=best.recompute, balance=list(best.balance), step_time_s=best.step_time_s,
         bubble_fraction=best.bubble_fraction, device_peak_bytes=best.device_peak_bytes,
         speedup=speedup, fits=best.fits(limit), reason=reason)

@@ -444,7 +444,7 @@ class PipelineTimeline(keras.callbacks.Callback):
     def __init__(self, x, y=None, log_dir=".", sample_weight=None, every_n_epochs=0,
                  tensorboard_dir=None):
         super().__init__()
-        self._batch = (x, y, sample_weight)
+        self._timed_batch = (x, y, sample_weight)
         self.log_dir = log_dir
         self.every_n_epochs = every_n_epochs
         self.tensorboard_dir = tensorboard_dir
@@ -453,7 +453,7 @@ class PipelineTimeline(keras.callbacks.Callback):
         self._epochs = 0
 
     def _record(self, epoch):
-        timeline = record_step(self.model, *self._batch)
+        timeline = record_step(self.model, *self._timed_batch)
         os.makedirs(self.log_dir, exist_ok=True)
         stem = os.path.join(self.log_dir, f"timeline_epoch{epoch}")
         timeline.to_chrome_trace(stem + ".json")

@@ -22,7 +22,8 @@ or pass a literal table to `Table`), not a new engine. `simulate`,
 import re
 
 from tfpipe import simulation
-from tfpipe.actions import (KINDS, RECOMPUTE_MODES, Action, ActionKind, Schedule,  # noqa: F401
+from tfpipe.actions import (ARGUMENTS, KINDS, RECOMPUTE_MODES, Action, ActionKind,  # noqa: F401
+                            Schedule, Spelling,
                             check_counts, input_gradient_action, is_recomputed,
                             merge_split_backward, validate_recompute)
 from tfpipe.simulation import Simulation, tick_makespan  # noqa: F401
@@ -108,14 +109,15 @@ class Interleaved(Schedule):
     def get_config(self):
         return {"virtual_stages": self.virtual_stages}
 
-    def check(self, num_microbatches, num_devices):
+    def check(self, num_microbatches, num_devices, spell=ARGUMENTS):
         super().check(num_microbatches, num_devices)
         if num_microbatches % num_devices:
             good = num_devices * -(-num_microbatches // num_devices)
             raise ValueError(
-                f"Interleaved needs num_microbatches to be a multiple of the number of "
-                f"devices ({num_devices}); got num_microbatches={num_microbatches}. "
-                f"Use num_microbatches={good}, or schedule='1f1b'."
+                f"{spell('schedule', schedule_name(self))} needs "
+                f"{spell('num_microbatches')} to be a multiple of its {num_devices} devices; "
+                f"got {spell('num_microbatches', num_microbatches)}. Use "
+                f"{spell('num_microbatches', good)}, or {spell('schedule', '1f1b')}."
             )
 
     def actions(self, num_microbatches, num_devices):
@@ -333,8 +335,8 @@ class Segmented(Schedule):
     def stage_device(self, stage, num_devices):
         return self.base.stage_device(stage // self.segments, num_devices)
 
-    def check(self, num_microbatches, num_devices):
-        self.base.check(num_microbatches, num_devices)
+    def check(self, num_microbatches, num_devices, spell=ARGUMENTS):
+        self.base.check(num_microbatches, num_devices, spell)
 
     def actions(self, num_microbatches, num_devices):
         n = self.segments
@@ -391,7 +393,7 @@ class Table(Schedule):
     def stage_device(self, stage, num_devices):
         return self._devices.get(stage, stage % num_devices)
 
-    def check(self, num_microbatches, num_devices):
+    def check(self, num_microbatches, num_devices, spell=ARGUMENTS):
         super().check(num_microbatches, num_devices)
         if num_devices != len(self.table) or num_microbatches != self._num_microbatches:
             raise ValueError(
@@ -433,6 +435,50 @@ def get(schedule):
         f"tfpipe.schedules.Schedule instance (GPipe(), OneFOneB(), "
         f"Interleaved(virtual_stages=v), ZeroBubbleH1(), ZeroBubbleV(), Table([...]))."
     )
+
+
+def schedule_name(schedule):
+    """The name `get` takes back: "gpipe", "interleaved:4", "1f1b/segments=2"."""
+    schedule = get(schedule)
+    if isinstance(schedule, Interleaved):
+        return f"interleaved:{schedule.virtual_stages}"
+    if isinstance(schedule, Segmented):
+        return f"{schedule_name(schedule.base)}/segments={schedule.segments}"
+    return getattr(schedule, "name", repr(schedule))
+
+
+def devices_needed(schedule, num_stages, num_microbatches=None, spell=ARGUMENTS):
+    """D, the devices `schedule` runs `num_stages` stages on: the one rule
+    for whether stages fill whole devices (every caller asks here).
+
+    Args:
+      schedule: an instance or name.
+      num_stages: K.
+      num_microbatches: M, to check that the schedule runs M on D too.
+      spell: how the caller names its settings (`Spelling`).
+    Raises:
+      ValueError: K is not a multiple of the schedule's stages per device, a
+        `Table` holds another K, or the schedule cannot run M on D.
+    """
+    given = schedule if isinstance(schedule, str) else None
+    schedule = get(schedule)
+    if isinstance(schedule, Table):
+        count = len(schedule.table)
+        if num_stages != schedule.num_stages(count):
+            raise ValueError(f"The schedule table has {schedule.num_stages(count)} stages "
+                             f"but the model has {num_stages}.")
+    else:
+        v = schedule.virtual_stages
+        if num_stages % v:
+            raise ValueError(
+                f"{spell('schedule', given or schedule_name(schedule))} puts {v} stages on each "
+                f"device, so {spell('num_stages')} must be a multiple of {v}; got "
+                f"{spell('num_stages', num_stages)}. Use "
+                f"{spell('num_stages', v * -(-num_stages // v))}.")
+        count = num_stages // v
+    if num_microbatches is not None:
+        schedule.check(num_microbatches, count, spell)
+    return count
 
 
 def to_config(schedule):

@@ -155,22 +155,7 @@ class PipelineStrategy(tf.distribute.Strategy):
           ValueError: the schedule cannot place `num_stages` stages here.
         """
         schedule = self._config.schedule if schedule is None else schedules.get(schedule)
-        v = schedule.virtual_stages
-        if isinstance(schedule, schedules.Table):
-            count = len(schedule.table)
-            if num_stages != schedule.num_stages(count):
-                raise ValueError(
-                    f"The schedule table has {schedule.num_stages(count)} stages "
-                    f"but the model has {num_stages}."
-                )
-        elif num_stages % v:
-            raise ValueError(
-                f"{schedule!r} puts {v} stages on each device, so the number of "
-                f"stages must be a multiple of {v}; got {num_stages}. Use "
-                f"{v * -(-num_stages // v)} stages or another virtual_stages."
-            )
-        else:
-            count = num_stages // v
+        count = schedules.devices_needed(schedule, num_stages)
         if count > len(self._devices):
             most = schedule.num_stages(len(self._devices))
             raise ValueError(

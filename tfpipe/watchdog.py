@@ -24,80 +24,15 @@ exit: a checkpoint counts only once its manifest is written, last.
 """
 
 import os
-import socket
 import sys
 import threading
 import time
 
 import keras
 
+from tfpipe import cluster as cluster_lib
+
 EXIT_CODE = 4  # launch.train's exit code for a lost worker, too
-
-# RFC 9113 section 3.4: the client's connection preface, then its (empty)
-# SETTINGS frame. A live HTTP/2 server (gRPC) must answer with a SETTINGS frame.
-_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
-_SETTINGS = 0x4  # frame type, byte 3 of the 9-byte frame header
-
-
-def probe_task(address, timeout_s=2.0):
-    """Whether the gRPC server at `address` ("host:port") answers now.
-
-    Returns:
-      "ok": it sent an HTTP/2 SETTINGS frame within `timeout_s` seconds;
-      "silent": the connection was accepted (by the kernel) but nothing came
-        back in time: the process is stopped or its host hung;
-      "dead": the connection was refused or failed: nothing listens there.
-    """
-    host, port = address.rsplit(":", 1)
-    deadline = time.monotonic() + timeout_s
-    try:
-        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-    except socket.timeout:
-        return "silent"  # a partitioned host: the SYN is never answered
-    except OSError:
-        return "dead"
-    with sock:
-        try:
-            sock.sendall(_PREFACE)
-            header = b""
-            while len(header) < 9:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return "silent"
-                sock.settimeout(left)
-                chunk = sock.recv(9 - len(header))
-                if not chunk:
-                    return "dead"  # closed without a frame
-                header += chunk
-        except socket.timeout:
-            return "silent"
-        except OSError:
-            return "dead"
-    return "ok" if header[3] == _SETTINGS else "dead"
-
-
-def probe_tasks(addresses, timeout_s=2.0):
-    """{task: probe_task(address)} for {task: address}, probed in parallel
-    (the whole probe takes at most `timeout_s` + a thread start)."""
-    states = {}
-
-    def run(task, address):
-        states[task] = probe_task(address, timeout_s)
-
-    threads = [threading.Thread(target=run, args=item, daemon=True)
-               for item in addresses.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s + 5.0)
-    return {task: states.get(task, "silent") for task in addresses}
-
-
-# What a probe's answer means, as the messages say it.
-MEANING = {"silent": "accepts connections but does not answer: the process is stopped "
-                      "or its host is hung",
-            "dead": "refuses connections: the process is gone"}
-
 
 class StepWatchdog(keras.callbacks.Callback):
     """Ends the process when a step stalls because a worker froze or died.
@@ -126,7 +61,6 @@ class StepWatchdog(keras.callbacks.Callback):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"StepWatchdog({name}=...) must be a number of seconds > 0, "
                                  f"got {value!r}.")
-        from tfpipe import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
         cluster = cluster if cluster is not None else cluster_lib.connected_spec()
         if cluster is None:
             raise ValueError(
@@ -136,7 +70,7 @@ class StepWatchdog(keras.callbacks.Callback):
         self.addresses = cluster_lib.task_addresses(cluster)
         self.timeout_s, self.probe_timeout_s = float(timeout_s), float(probe_timeout_s)
         self.poll_s, self.exit_code = float(poll_s), exit_code
-        self._lock = threading.Lock()
+        self._progress_lock = threading.Lock()
         self._last = time.monotonic()
         self._where = "the start of training"
         self._stop = threading.Event()
@@ -145,7 +79,7 @@ class StepWatchdog(keras.callbacks.Callback):
     # -- progress: every hook of the main thread ------------------------------------
 
     def _progress(self, where):
-        with self._lock:
+        with self._progress_lock:
             self._last, self._where = time.monotonic(), where
 
     def on_train_begin(self, logs=None):
@@ -184,7 +118,7 @@ class StepWatchdog(keras.callbacks.Callback):
         warned_at = None  # the progress mark of the stall already reported as slow
         next_probe = 0.0
         while not self._stop.wait(self.poll_s):
-            with self._lock:
+            with self._progress_lock:
                 last, where = self._last, self._where
             now = time.monotonic()
             if now - last < self.timeout_s or now < next_probe:
@@ -202,21 +136,20 @@ class StepWatchdog(keras.callbacks.Callback):
 
     def _lost_tasks(self):
         """{task: "silent" | "dead"} of the tasks that fail two probes in a row."""
-        first = probe_tasks(self.addresses, self.probe_timeout_s)
+        first = cluster_lib.probe_tasks(self.addresses, self.probe_timeout_s)
         suspects = {t: self.addresses[t] for t, s in first.items() if s != "ok"}
         if not suspects:
             return {}
-        second = probe_tasks(suspects, self.probe_timeout_s)
+        second = cluster_lib.probe_tasks(suspects, self.probe_timeout_s)
         return {t: s for t, s in second.items() if s != "ok"}
 
     def _end(self, where, stalled, lost):
-        named = "; ".join(f"{task} ({self.addresses[task]}) {MEANING[state]}"
+        named = "; ".join(f"{task} ({self.addresses[task]}) {cluster_lib.MEANING[state]}"
                           for task, state in lost.items())
         print(f"tfpipe.StepWatchdog: {where} has not finished after {stalled:.1f} s "
               f"(timeout {self.timeout_s:g} s): {named}. Ending this process (exit code "
               f"{self.exit_code}). Restart the worker, then continue from the last "
               f"checkpoint (launch.train: --resume).", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        from tfpipe import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
         cluster_lib.kill_local_workers()  # os._exit runs no atexit handler
         os._exit(self.exit_code)  # the main thread is blocked inside TensorFlow

@@ -92,7 +92,7 @@ def test_probe_task(behaviour, expected):
     address = listener.address if listener else _closed_port()
     start = time.monotonic()
     try:
-        assert watchdog.probe_task(address, timeout_s=1.0) == expected
+        assert cluster_lib.probe_task(address, timeout_s=1.0) == expected
     finally:
         if listener:
             listener.close()

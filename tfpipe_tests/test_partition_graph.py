@@ -9,6 +9,8 @@ import pytest
 import tfpipe
 from tfpipe_tests import helpers
 from tfpipe import graph as graph_lib
+from tfpipe import costs
+from tfpipe import cutting
 from tfpipe import partition
 from tfpipe import placement
 
@@ -74,9 +76,9 @@ def test_skip_tensors_cross_every_cut_they_span():
     add, multiply = names[3], names[5]  # raw ops: Keras numbers their names
     # Stages: d1 d2 | d3 add | d4 multiply db | cat head aux. Input "b" waits
     # for "db" in stage 2; d2's output waits for "aux" in stage 3.
-    assert graph_lib.boundaries(graph, [2, 2, 3, 3]) == [
+    assert cutting.boundaries(graph, [2, 2, 3, 3]) == [
         ["b", "d1", "d2"], ["b", "d2", add], ["d2", multiply, "db"]]
-    pieces = graph_lib.cut(graph, [2, 2, 3, 3])
+    pieces = cutting.cut(graph, [2, 2, 3, 3])
     assert pieces[0].inputs == graph.inputs and pieces[-1].outputs == graph.outputs
 
 
@@ -172,8 +174,8 @@ def test_balance_by_params_counts_units_of_a_functional_model():
     ref = _dag()
     with tfpipe.PipelineStrategy().scope():
         pipelined = tfpipe.PipelinedModel.from_model(helpers.twin(ref))
-    costs = partition.param_costs(ref)
-    assert pipelined.balance == partition.split_by_costs(costs, 4)
+    unit_costs = partition.param_costs(ref)
+    assert pipelined.balance == partition.split_by_costs(unit_costs, 4)
     assert pipelined.balance_method == "params" and sum(pipelined.balance) == 10
     text = pipelined.pipeline_summary()
     assert f"Balance: {pipelined.balance} units per stage (from_model, by params)" in text
@@ -208,10 +210,10 @@ def _chain_with_heavy_layer():
 def test_balance_by_memory_isolates_the_large_units():
     model = _chain_with_heavy_layer()
     sample = np.ones((32, 64), "float32")
-    costs = partition.memory_costs(model, sample)
+    unit_costs = partition.memory_costs(model, sample)
     # Dense(64): 32*64*4 activation bytes + (64*64+64)*4 parameter bytes.
-    assert costs[0] == 32 * 64 * 4 + (64 * 64 + 64) * 4
-    assert costs[3] == 32 * 2048 * 4 + 4 * 2048 * 4  # BN: gamma, beta, mean, variance
+    assert unit_costs[0] == 32 * 64 * 4 + (64 * 64 + 64) * 4
+    assert unit_costs[3] == 32 * 2048 * 4 + 4 * 2048 * 4  # BN: gamma, beta, mean, variance
     assert partition.balance_by_memory(model, sample, 3) == [2, 1, 2]
 
 
@@ -219,9 +221,9 @@ def test_balance_by_time_leaves_the_model_unchanged():
     model = _chain_with_heavy_layer()
     before = [w.numpy() for w in model.weights]
     sample = np.random.default_rng(0).normal(size=(256, 64)).astype("float32")
-    costs = partition.time_costs(model, sample, repeats=2)
-    assert len(costs) == 5 and all(c > 0 for c in costs)
-    assert costs[2] > costs[0]  # the 64x2048 matmul is slower than a 64x64 one
+    unit_costs = partition.time_costs(model, sample, repeats=2)
+    assert len(unit_costs) == 5 and all(c > 0 for c in unit_costs)
+    assert unit_costs[2] > unit_costs[0]  # the 64x2048 matmul is slower than a 64x64 one
     balance = partition.balance_by_time(model, sample, 2, repeats=2)
     assert sum(balance) == 5 and len(balance) == 2
     # BatchNorm ran in training mode, but its moving statistics were put back.
@@ -239,9 +241,9 @@ def test_from_model_measures_on_a_default_random_sample(method):
 def test_sample_batch_needs_known_shapes():
     x = keras.Input((None, 3))
     model = keras.Model(x, keras.layers.Dense(2)(x))
-    assert partition.sample_batch(_dag())["a"].shape == (8, 6)
+    assert costs.sample_batch(_dag())["a"].shape == (8, 6)
     with pytest.raises(ValueError, match=r"not fully known\. Pass sample="):
-        partition.sample_batch(model)
+        costs.sample_batch(model)
 
 
 def test_graph_stages_save_and_load(tmp_path):
@@ -269,6 +271,6 @@ def test_measured_balance_matches_dict_inputs_by_key():
     out = keras.layers.Dense(2, name="dz")(z) + keras.layers.Dense(2, name="da")(a)
     model = keras.Model({"z": z, "a": a}, out)
     sample = {"a": np.ones((4, 5), "float32"), "z": np.ones((4, 3), "float32")}
-    costs = partition.memory_costs(model, sample)
-    assert costs[:2] == [4 * 2 * 4 + (3 * 2 + 2) * 4, 4 * 2 * 4 + (5 * 2 + 2) * 4]
-    assert partition.balance_by_memory(model, partition.sample_batch(model), 3) == [1, 1, 1]
+    unit_costs = partition.memory_costs(model, sample)
+    assert unit_costs[:2] == [4 * 2 * 4 + (3 * 2 + 2) * 4, 4 * 2 * 4 + (5 * 2 + 2) * 4]
+    assert partition.balance_by_memory(model, costs.sample_batch(model), 3) == [1, 1, 1]

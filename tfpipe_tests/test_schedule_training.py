@@ -264,11 +264,10 @@ def test_interleaved_places_stage_k_on_device_k_mod_d_and_reloads(tmp_path):
 
 @pytest.mark.parametrize("make, num_stages, message", [
     (lambda: tfpipe.PipelineStrategy(num_microbatches=6, schedule="interleaved"), 8,
-     "multiple of the number of devices \\(4\\); got num_microbatches=6. Use "
-     "num_microbatches=8"),
+     "multiple of its 4 devices; got num_microbatches=6. Use num_microbatches=8"),
     (lambda: tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], num_microbatches=2,
                                      schedule=schedules.Interleaved(2)), 3,
-     "number of stages must be a multiple of 2; got 3"),
+     "num_stages must be a multiple of 2; got num_stages=3"),
     (lambda: tfpipe.PipelineStrategy(schedule="interleaved"), 10,
      "10 stages but the strategy has only 8 stage slots on 4 devices"),
     (lambda: tfpipe.PipelineStrategy(execution="loop", recompute="never"), 2,
@@ -401,6 +400,6 @@ def test_keras_step_functions_run_in_the_execution_call_scope(execution, scoped)
     model.evaluate(x, y, batch_size=8, verbose=0)
     model.predict(x, batch_size=8, verbose=0)
     for function in (model.train_function, model.test_function, model.predict_function):
-        assert getattr(function, "_tfpipe_call_scope", False) is scoped
+        assert getattr(function, "tfpipe_call_scope", False) is scoped
     assert model.make_train_function() is model.train_function
-    assert getattr(model.make_train_function(force=True), "_tfpipe_call_scope", False) is scoped
+    assert getattr(model.make_train_function(force=True), "tfpipe_call_scope", False) is scoped

@@ -7,6 +7,7 @@ import pytest
 import tfpipe
 from tfpipe_tests import helpers
 from models import unet as unet_lib
+from tfpipe import cutting
 from tfpipe import graph as graph_lib
 from tfpipe import placement
 
@@ -20,7 +21,7 @@ def test_stage_balance_puts_a_skip_across_every_cut(batch_norm, expected):
     graph = graph_lib.model_graph(model)
     for k, balance in expected.items():
         assert unet_lib.stage_balance(model, k) == balance
-        for crossing in graph_lib.boundaries(graph, balance):
+        for crossing in cutting.boundaries(graph, balance):
             # The main path and at least one encoder skip tensor.
             assert len(crossing) >= 2 and any(n.startswith("enc") for n in crossing), crossing
     with pytest.raises(ValueError, match="only 18 cut positions"):
