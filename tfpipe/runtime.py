@@ -123,8 +123,99 @@ class Produced:
         self.exclude_ops, self.include_ops = list(exclude_ops), list(include_ops)
 
 
-class Step:
-    """One traced step of a schedule over a batch, and its action handlers.
+class Interpreter:
+    """The action handlers, over K stages and a store. Pure Python: the
+    stages (`tfpipe.stage.Stage`) and the store (`Store`) do all the
+    TensorFlow work, so a test can drive it with fakes.
+
+    Args:
+      stages: per stage an object with `k`, `indices` (its variables' indices
+        in the step's table), `forward`, `backward`, `backward_input` and
+        `backward_weight`, as `tfpipe.stage.Stage`.
+      stage_device: per stage, its device index.
+      holds_ops: the store holds a split backward's weight half in the
+        graph: I builds both halves and W releases the weight half; else I
+        and W each run the stage's backward for their half.
+      backward_step: a training step (else forward only).
+    """
+
+    def __init__(self, stages, stage_device, holds_ops, backward_step):
+        self.stages, self.stage_device = stages, stage_device
+        self.num_stages = len(stages)
+        self.holds_ops, self.backward_step = holds_ops, backward_step
+        self.loss_plan = self.scale = None  # what the last stage's seeds come from
+
+    def run(self, store, d, action):
+        """Runs `action` on device d; returns what it produced (`Produced`)."""
+        kind, k, m = action.kind, action.stage, action.microbatch
+        if kind == "F":
+            return self.forward(store, d, k, m)
+        if kind == "I" and self.holds_ops:
+            return self.backward_input(store, d, k, m)
+        if kind == "W" and self.holds_ops:
+            return self.backward_weight(store, d, k, m)
+        return self.backward(store, d, k, m, kind)
+
+    def forward(self, store, d, k, m):
+        packed = store.begin(d, store.stage_input(k, m))
+        result = self.stages[k].forward(m, packed)
+        if self.backward_step:
+            store.keep(k, m, result.kept, result.moments)
+        store.add_loss(d, result.parts, result.extra)
+        store.put_output(k, m, result.out)
+        return Produced(result.produced)
+
+    def backward(self, store, d, k, m, kind):
+        """B(k, m), or I or W each running the stage's backward for its half
+        (a store that holds no ops between actions)."""
+        if k == 0 and kind == "I":
+            return Produced([])  # stage 0 has no input gradient to compute
+        g_out = store.begin(d, self.output_gradients(store, k, m))
+        stage = self.stages[k]
+        want_inputs, want_weights = kind in ("B", "I"), kind in ("B", "W")
+        input_grads, grads, summed = stage.backward(
+            m, store.take_kept(k, m), g_out, store.weight_sum, want_inputs, want_weights)
+        produced = []
+        if want_inputs and k > 0:
+            produced += store.put_input_gradients(k, m, input_grads)
+        return Produced(produced + self._add_weights(store, stage, m, grads, summed))
+
+    def backward_input(self, store, d, k, m):
+        """I(k, m) where the store holds ops: both halves, the weight half
+        held back for W."""
+        g_out = store.begin(d, self.output_gradients(store, k, m))
+        input_grads, held = self.stages[k].backward_input(m, store.take_kept(k, m), g_out)
+        produced = store.put_input_gradients(k, m, input_grads) if k else []
+        return Produced(produced, exclude_ops=held)
+
+    def backward_weight(self, store, d, k, m):
+        """W(k, m) after `backward_input`: release the held ops, sum their
+        gradients."""
+        stage = self.stages[k]
+        grads, held = stage.backward_weight(m)
+        store.begin(d, [], release=held)
+        return Produced(self._add_weights(store, stage, m, grads, [False] * len(grads)),
+                        include_ops=held)
+
+    def _add_weights(self, store, stage, m, grads, summed):
+        produced = []
+        d = self.stage_device[stage.k]
+        for i, g, is_sum in zip(stage.indices, grads, summed):
+            if g is not None:
+                produced += store.add_weight_gradient(d, stage.k, m, i, g, is_sum)
+        return produced
+
+    def output_gradients(self, store, k, m):
+        """d loss / d (stage k's output boundary float leaves), or, for the
+        last stage, the seeds of its loss numerators (and call losses)."""
+        if k < self.num_stages - 1:
+            return store.output_gradients(k, m)
+        return store.loss_seeds(self.loss_plan, self.scale)
+
+
+class Step(Interpreter):
+    """One traced step of a schedule over a batch: the stages made for it,
+    the handlers (`Interpreter`), and the end of the step.
 
     Args:
       plan: the `tfpipe.step_plan.StepPlan`.
@@ -143,31 +234,33 @@ class Step:
     def __init__(self, plan, batch, order, split=None, scale_loss=None, training=True,
                  connectivity=False):
         self.plan, self.batch, self.split = plan, batch, split
-        self.backward_step = split is not None
-        self.num_stages = plan.num_stages
         self.num_microbatches = batch.num_microbatches
-        self.holds_ops = plan.traits.holds_ops_in_graph and not tf.executing_eagerly()
-        record = (self.backward_step and plan.batch_norm == "deferred"
-                  and self.num_microbatches > 1)
+        backward_step = split is not None
+        record = backward_step and plan.batch_norm == "deferred" and self.num_microbatches > 1
         recorders = [batchnorm.Recorder(layer, record) for layer in plan.layers]
         batch.cut_at_once = plan.traits.stage_functions
         self.interfaces = self._probe(recorders, training, connectivity)
         self.table = table = plan.variable_table()
         self.variables = table.variables
+        scale = (tf.cast((scale_loss or (lambda v: v))(tf.constant(1.0)), tf.float32)
+                 if backward_step else None)
         shared = stage_lib.StepInputs(batch, split, training, self.interfaces, plan.recompute,
-                                      plan.traits, plan.options.observer)
-        self.stages = [
-            stage_lib.Stage(k, self.num_stages, layer, plan.devices[plan.stage_device[k]],
+                                      plan.traits, plan.options.observer, scale)
+        stages = [
+            stage_lib.Stage(k, plan.num_stages, layer, plan.devices[plan.stage_device[k]],
                             plan.states[k],
                             [(i, table.variables[i], table.home(i) == k)
                              for i in table.per_stage[k]], shared, recorders[k])
             for k, layer in enumerate(plan.layers)]
-        if not self.backward_step:
+        super().__init__(stages, plan.stage_device,
+                         plan.traits.holds_ops_in_graph and not tf.executing_eagerly(),
+                         backward_step)
+        if not backward_step:
             return
+        self.scale = scale
         self.loss_plan = loss_lib.Plan(split, batch.split.total_rows, forwards_first(order),
                                        any(i.call_losses for i in self.interfaces),
                                        in_loop=plan.traits.in_loop)
-        self.scale = tf.cast((scale_loss or (lambda v: v))(tf.constant(1.0)), tf.float32)
         self.bn_before = {}
         for recorder in recorders:
             self.bn_before.update(recorder.before_step())
@@ -190,87 +283,6 @@ class Step:
             self.plan.layers, x0, training, extra=(y0, sw0), on_output=on_output,
             connectivity=connectivity,
             around_stage=(lambda k: recorders[k].forward()) if connectivity else None)
-
-    # -- handlers ------------------------------------------------------------
-
-    def run(self, store, d, action):
-        """Runs `action` on device d; returns what it produced (`Produced`)."""
-        kind, k, m = action.kind, action.stage, action.microbatch
-        if kind == "F":
-            return self.forward(store, d, k, m)
-        if kind == "I" and self.holds_ops:
-            return self.backward_input(store, d, k, m)
-        if kind == "W" and self.holds_ops:
-            return self.backward_weight(store, d, k, m)
-        return self.backward(store, d, k, m, kind)
-
-    def forward(self, store, d, k, m):
-        packed = store.begin(d, store.stage_input(k, m))
-        result = self.stages[k].forward(m, packed)
-        if self.backward_step:
-            store.keep(k, m, result.kept, result.moments)
-        extra = result.extra
-        store.add_loss(d, result.parts,
-                       None if extra is None else extra * self.batch.split.fraction(m))
-        store.put_output(k, m, result.out)
-        produced = (float_leaves(result.out) or [t for t in tf.nest.flatten(result.out)
-                                                 if isinstance(t, tf.Tensor)])
-        produced += [s for s, _, _ in result.parts] + ([] if extra is None else [extra])
-        return Produced(produced)
-
-    def backward(self, store, d, k, m, kind):
-        """B(k, m), or I or W each replaying the stage (a store that holds no
-        ops between actions)."""
-        if k == 0 and kind == "I":
-            return Produced([])  # stage 0 has no input gradient to compute
-        g_out = store.begin(d, self.output_gradients(store, k, m))
-        stage = self.stages[k]
-        want_inputs, want_weights = kind in ("B", "I"), kind in ("B", "W")
-        input_grads, grads, summed = stage.backward(
-            m, store.take_kept(k, m), g_out, self.extra_seed(m), store.weight_sum,
-            want_inputs, want_weights)
-        produced = []
-        if want_inputs and k > 0:
-            produced += store.put_input_gradients(k, m, input_grads)
-        return Produced(produced + self._add_weights(store, stage, m, grads, summed))
-
-    def backward_input(self, store, d, k, m):
-        """I(k, m) where the store holds ops: both halves, the weight half
-        held back for W."""
-        g_out = store.begin(d, self.output_gradients(store, k, m))
-        input_grads, held = self.stages[k].backward_input(m, store.take_kept(k, m), g_out,
-                                                          self.extra_seed(m))
-        produced = store.put_input_gradients(k, m, input_grads) if k else []
-        return Produced(produced, exclude_ops=held)
-
-    def backward_weight(self, store, d, k, m):
-        """W(k, m) after `backward_input`: release the held ops, sum their
-        gradients."""
-        stage = self.stages[k]
-        grads, held = stage.backward_weight(m)
-        store.begin(d, [], release=held)
-        return Produced(self._add_weights(store, stage, m, grads, [False] * len(grads)),
-                        include_ops=held)
-
-    def _add_weights(self, store, stage, m, grads, summed):
-        produced = []
-        d = self.plan.stage_device[stage.k]
-        for i, g, is_sum in zip(stage.indices, grads, summed):
-            if g is not None:
-                produced += store.add_weight_gradient(d, stage.k, m, i, g, is_sum)
-        return produced
-
-    def extra_seed(self, m):
-        """`seed()`: the seed of micro-batch m's call losses (its share of
-        the batch, loss-scaled); made only where a stage has call losses."""
-        return lambda: self.batch.split.fraction(m) * self.scale
-
-    def output_gradients(self, store, k, m):
-        """d loss / d (stage k's output boundary float leaves), or, for the
-        last stage, the seeds of its loss numerators (and call losses)."""
-        if k < self.num_stages - 1:
-            return store.output_gradients(k, m)
-        return store.loss_seeds(self.loss_plan, self.scale)
 
     # -- the end of the step ----------------------------------------------
 

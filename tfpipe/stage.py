@@ -59,6 +59,8 @@ class StepInputs(typing.NamedTuple):
       traits: the `tfpipe.config.Execution`.
       observer: optional object with `on_stage_call(k)`, told of every
         stage call made while tracing (tests count replays with it).
+      scale: the loss scale (Keras' `optimizer.scale_loss` of 1; float32
+        scalar), in a training step.
     """
 
     batch: object
@@ -68,6 +70,7 @@ class StepInputs(typing.NamedTuple):
     recompute: str
     traits: object
     observer: object
+    scale: object
 
 
 class Replay(typing.NamedTuple):
@@ -89,15 +92,17 @@ class Taped(typing.NamedTuple):
 
 class Forward(typing.NamedTuple):
     """What F(k, m) computed: the outputs (packed as the boundary unless the
-    last stage), the call losses (or None), the loss parts (last stage of a
-    training step), the BatchNorm moments, and what its backward needs
-    (`Replay`, `Taped`; None in a forward-only step)."""
+    last stage), the call losses weighted by the micro-batch's share of the
+    batch (or None), the loss parts (last stage of a training step), the
+    BatchNorm moments, what its backward needs (`Replay`, `Taped`; None in a
+    forward-only step), and the tensors the device's next action waits for."""
 
     out: object
     extra: object
     parts: list
     moments: list
     kept: object
+    produced: list
 
 
 class Stage:
@@ -177,11 +182,11 @@ class Stage:
         """F(k, m). In a training step it records BatchNorm moments and keeps
         what the backward needs: the input and seeds where the recompute
         policy replays micro-batch m, else the forward's tape."""
+        kept, moments = None, []
         if self.shared.split is None:
             out, extra, parts, _ = self.run(m, packed)
-            return Forward(self.pack(out), extra, parts, [], None)
-        if schedules.is_recomputed(self.shared.recompute, m,
-                                   self.shared.batch.num_microbatches):
+        elif schedules.is_recomputed(self.shared.recompute, m,
+                                     self.shared.batch.num_microbatches):
             kept = Replay(packed, self.state.snapshot_seeds())
             out, extra, parts, moments = self.run(m, packed, record=True)
         else:
@@ -189,12 +194,21 @@ class Stage:
                 tape.watch(float_leaves(packed) if self.k else [])
                 out, extra, parts, moments = self.run(m, packed, record=True)
             kept = Taped(packed, tape, self.pack(out), extra, parts)
-        return Forward(self.pack(out), extra, parts, moments, kept)
+        packed_out = self.pack(out)
+        produced = (float_leaves(packed_out) or [t for t in tf.nest.flatten(packed_out)
+                                                 if isinstance(t, tf.Tensor)])
+        produced += [s for s, _, _ in parts] + ([] if extra is None else [extra])
+        weighted = None if extra is None else extra * self.shared.batch.split.fraction(m)
+        return Forward(packed_out, weighted, parts, moments, kept, produced)
+
+    def extra_seed(self, m):
+        """`seed()`: the seed of micro-batch m's call losses (its share of
+        the batch, loss-scaled), made only where the stage has them."""
+        return lambda: self.shared.batch.split.fraction(m) * self.shared.scale
 
     # -- backward --------------------------------------------------------------
 
-    def backward(self, m, kept, g_out, extra_seed, weight_sum=None, want_inputs=True,
-                 want_weights=True):
+    def backward(self, m, kept, g_out, weight_sum=None, want_inputs=True, want_weights=True):
         """B(k, m), or one half of it (I: `want_weights=False`; W:
         `want_inputs=False`), each replaying the stage if `kept` is a `Replay`.
 
@@ -203,8 +217,6 @@ class Stage:
           g_out: the gradients of the output boundary's float leaves (None
             where the loss does not reach one), or, for the last stage, the
             seeds of its loss numerators.
-          extra_seed: `extra_seed()`, the seed of the stage's call losses
-            (float32 scalar; called only where the stage has them).
           weight_sum: `weight_sum(i)`, the step's running gradient sum of
             variable i (None: none yet); a B under stage functions adds to
             it inside its call.
@@ -216,13 +228,13 @@ class Stage:
         """
         if (self.backward_function is not None and isinstance(kept, Replay)
                 and want_inputs and want_weights):
-            return self.backward_function(kept, g_out, m, extra_seed, weight_sum)
+            return self.backward_function(kept, g_out, m, weight_sum)
         tape, packed, out, extra, parts = self._taped(m, kept, g_out)
         input_grads, grads = stage_gradients(self, tape, packed, out, extra, parts, g_out,
-                                             extra_seed, want_inputs, want_weights)
+                                             self.extra_seed(m), want_inputs, want_weights)
         return input_grads, grads, [False] * len(grads)
 
-    def backward_input(self, m, kept, g_out, extra_seed):
+    def backward_input(self, m, kept, g_out):
         """I(k, m) built whole: one `tape.gradient` for both halves; the ops
         only the weight gradients need are held back until
         `backward_weight(m)` (W's place), so W costs only those ops.
@@ -231,7 +243,7 @@ class Stage:
         graph = tf.compat.v1.get_default_graph()
         first_op = len(graph.get_operations())
         input_grads, grads = stage_gradients(self, tape, packed, out, extra, parts, g_out,
-                                             extra_seed)
+                                             self.extra_seed(m))
         if self.k:
             input_grads = [None if g is None else tf.convert_to_tensor(g) for g in input_grads]
         ops = weight_only_ops(graph.get_operations()[first_op:], input_grads)
@@ -445,7 +457,7 @@ class StageBackward:
                      s if g is None else _sum_like(s, g) for s, g in zip(sums, grads)]
         return input_grads, grads
 
-    def __call__(self, kept, g_out, m, extra_seed, weight_sum):
+    def __call__(self, kept, g_out, m, weight_sum):
         """(input gradients, per weight its gradient or new sum, per weight
         whether it is a sum); `weight_sum(i)`: the sum so far of the step's
         variable i, or None."""
@@ -463,7 +475,8 @@ class StageBackward:
                 total = self.zeros[dtype]
             sums.append(total)
         y_true, sample_weight = stage.labels(m)
-        extra_seed = extra_seed() if stage.shared.interfaces[stage.k].call_losses else None
+        extra_seed = (stage.extra_seed(m)() if stage.shared.interfaces[stage.k].call_losses
+                      else None)
         args = (kept.packed, kept.seeds, y_true, sample_weight,
                 stage.shared.batch.split.real(m), list(g_out), extra_seed)
         if not self.traced_once:
