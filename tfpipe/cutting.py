@@ -29,6 +29,8 @@ the same object in every stage that calls it.
 import keras
 
 from tfpipe import _internal
+from tfpipe import graph as graph_lib
+from tfpipe import partition
 from tfpipe.graph import Ref, fill, flatten_like, is_shape, refs, run_units
 
 
@@ -80,6 +82,15 @@ def boundaries(graph, balance):
     """Names of the tensors crossing each of the K - 1 cuts of `balance`."""
     crossing, _ = _crossing(graph, list(balance))
     return [[graph.names[i] for i in ids] for ids in crossing]
+
+
+def cut_model(model, balance, num_stages, sample=None):
+    """`from_model`'s cut: (graph, balance, method, unbuilt stages) of `model`
+    for `balance` (see `tfpipe.partition.choose_balance`) over at most
+    `num_stages` stages."""
+    graph = graph_lib.model_graph(model)
+    balance, method = partition.choose_balance(graph, balance, num_stages, sample)
+    return graph, balance, method, make_stages(graph, balance)
 
 
 def make_stages(graph, balance):

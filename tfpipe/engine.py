@@ -16,11 +16,34 @@ own device, and returned for one optimizer update. A trainable variable that
 no gradient reaches is reported by `PipelinedModel`, never fed a zero.
 """
 
+import functools
+
 from tfpipe import devices as devices_lib
 from tfpipe import loop
 from tfpipe import recompute as recompute_lib
+from tfpipe import schedules
+from tfpipe import stage as stage_lib
 from tfpipe import step_plan
 from tfpipe import unrolled
+
+TraceOptions = step_plan.TraceOptions
+call_scope = stage_lib.call_scope
+
+
+def in_call_scope(function, config):
+    """`function` (a step Keras made) called in the `call_scope` of
+    `config`'s execution, once however often it is wrapped; itself where
+    the execution needs no scope."""
+    if (function is None or not config.traits.stage_functions
+            or getattr(function, "tfpipe_call_scope", False)):
+        return function
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with call_scope(config.traits):
+            return function(*args, **kwargs)
+    call.tfpipe_call_scope = True
+    return call
 
 BACKENDS = {"unrolled": unrolled.UnrolledBackend,
             "stage_functions": unrolled.UnrolledBackend, "loop": loop.LoopBackend}
@@ -51,6 +74,8 @@ class Pipeline:
                 f"{schedule!r} on {len(self.devices)} device(s) runs {expected} "
                 f"stage(s), got {len(self.stages)}."
             )
+        # Validates the schedule for this (M, D) now, not at the first step.
+        schedules.validate(schedule, config.num_microbatches, len(self.devices))
         self.stage_device = [schedule.stage_device(k, len(self.devices))
                              for k in range(len(self.stages))]
         self.backend = BACKENDS[config.execution]()

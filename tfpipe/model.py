@@ -3,26 +3,15 @@
 `fit`, `evaluate` and `predict` work as for any Keras model; each step cuts
 the batch into M micro-batches (`tfpipe.microbatch`), runs the schedule on the
 stage devices (`tfpipe.engine`) and, in training, applies one optimizer update
-with the gradients summed over micro-batches. This module only wires: input
-checks are `tfpipe.inputs`'s, the step is the engine's, the loss split
-`tfpipe.loss`'s, saving `tfpipe.saving`'s.
-
-Exactness. The compiled loss is split over micro-batches exactly as Keras
-reduces it over the batch (`tfpipe.loss`: masks, `ignore_class`, sample
-weights, every reduction), the last stage's backward starts from the loss
-itself (so softmax/sigmoid heads with Keras' default crossentropy train, as in
-Keras), weight regularisers are counted once per step, and metrics are
-updated once per step on the whole batch's outputs (Keras masks and logits
-attached), so every metric sees exactly what full-batch training shows it.
-A trainable variable that gets no gradient raises a `ValueError` (Keras
-would only warn and leave it unchanged).
-
-`from_model` keeps the user's own layers: nothing is cloned; each variable's
-storage moves to its stage's device (`tfpipe.placement.place_variables`).
+with the gradients summed over micro-batches. Metrics are updated once per
+step on the whole batch's outputs (Keras masks and logits attached), so every
+metric sees what full-batch training shows it. This module only wires: input
+checks are `tfpipe.inputs`'s, the exact loss split `tfpipe.loss`'s, the cut
+`tfpipe.cutting`'s, saving `tfpipe.saving`'s.
 """
 
 import contextlib
-import functools
+import dataclasses
 
 import keras
 import numpy as np
@@ -32,20 +21,14 @@ from tfpipe import _internal
 from tfpipe import batchnorm
 from tfpipe import config as config_lib
 from tfpipe import cutting
-from tfpipe import devices as devices_lib
 from tfpipe import engine
 from tfpipe import gradients as gradients_lib
-from tfpipe import graph as graph_lib
 from tfpipe import inputs as inputs_lib
 from tfpipe import loss as loss_lib
 from tfpipe import microbatch
-from tfpipe import partition
 from tfpipe import placement
 from tfpipe import replicas
 from tfpipe import saving
-from tfpipe import schedules
-from tfpipe import stage as stage_lib
-from tfpipe import step_plan
 from tfpipe import strategy as strategy_lib
 from tfpipe import summary
 from tfpipe import xla
@@ -83,14 +66,6 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
 
     Create it under `tfpipe.PipelineStrategy(...).scope()`; outside any scope
     it makes a default `PipelineStrategy()` over all logical devices.
-
-    >>> strategy = tfpipe.PipelineStrategy(num_microbatches=4)   # doctest: +SKIP
-    >>> with strategy.scope():                                    # doctest: +SKIP
-    ...     model = tfpipe.PipelinedModel(
-    ...         [keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)],
-    ...         input_shape=(None, 64))
-    ...     model.compile(optimizer="adam", loss="mse")
-    >>> model.fit(x, y, batch_size=32)                            # doctest: +SKIP
     """
 
     def __init__(self, stages, num_microbatches=None, recompute=None,
@@ -111,7 +86,7 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         _internal.keep_input_types(self)
         _internal.set_distribute_strategy(self, strategy)
         self._pipeline_strategy = strategy
-        self._trace_options = step_plan.TraceOptions()
+        self._trace_options = engine.TraceOptions()
         self._source = source
         if source is not None and hasattr(source.model, "output_names"):
             self.output_names = list(source.model.output_names)
@@ -140,8 +115,6 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         the schedule, recompute, execution and the BatchNorm mode)."""
         strategy = self._pipeline_strategy
         devices, stage_devices = strategy.pipeline_devices(len(self.stages), config.schedule)
-        # Validates the schedule for this (M, D) now, not at the first step.
-        schedules.validate(config.schedule, config.num_microbatches, len(devices))
         self._pipeline_config = config
         # The D devices the schedule runs on; stage k lives on stage_devices[k].
         self.pipeline_devices, self.stage_devices = devices, stage_devices
@@ -158,21 +131,19 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         self.train_function = self.test_function = self.predict_function = None
 
     def set_trace_options(self, **options):
-        """Sets how steps are traced (`tfpipe.step_plan.TraceOptions`:
+        """Sets how steps are traced (`tfpipe.engine.TraceOptions`:
         `enforce_order`, `serialize_ops`, `observer`); not saved. Steps traced
         before are dropped, so the next call traces again.
 
         >>> calls = tfpipe.testing.StageCalls()          # doctest: +SKIP
         >>> model.set_trace_options(observer=calls)      # doctest: +SKIP
         """
-        self._trace_options = step_plan.TraceOptions(**{
-            **{f: getattr(self._trace_options, f) for f in ("enforce_order", "serialize_ops",
-                                                            "observer")}, **options})
+        self._trace_options = dataclasses.replace(self._trace_options, **options)
         self._use_config(self._pipeline_config)
 
     @property
     def trace_options(self):
-        """The `tfpipe.step_plan.TraceOptions` steps are traced with."""
+        """The `tfpipe.engine.TraceOptions` steps are traced with."""
         return self._trace_options
 
     @property
@@ -195,25 +166,12 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         """The `tfpipe.config.PipelineConfig` this model runs with."""
         return self._pipeline_config
 
-    @property
-    def num_microbatches(self):
-        return self._pipeline_config.num_microbatches
-
-    @property
-    def schedule(self):
-        return self._pipeline_config.schedule
-
-    @property
-    def recompute(self):
-        return self._pipeline_config.recompute
-
-    @property
-    def execution(self):
-        return self._pipeline_config.execution
-
-    @property
-    def batch_norm(self):
-        return self._pipeline_config.batch_norm
+    # Its settings, read-only: set them in the strategy or the constructor.
+    num_microbatches = property(lambda self: self._pipeline_config.num_microbatches)
+    schedule = property(lambda self: self._pipeline_config.schedule)
+    recompute = property(lambda self: self._pipeline_config.recompute)
+    execution = property(lambda self: self._pipeline_config.execution)
+    batch_norm = property(lambda self: self._pipeline_config.batch_norm)
 
     @property
     def balance(self):
@@ -222,6 +180,7 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
 
     @property
     def balance_method(self):
+        """How `from_model` chose the balance ("params", "time", "memory", "explicit")."""
         return None if self._source is None else self._source.method
 
     @property
@@ -235,21 +194,12 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
     def from_model(cls, model, balance=None, sample=None, **kwargs):
         """Cuts a Sequential or functional model (any DAG) into pipeline stages.
 
-        The model is read as units in topological order (`tfpipe.graph`): a
-        Sequential's layers, or a functional model's layer calls and raw ops
-        (nested models inlined). Stage k takes the next `balance[k]` units;
-        tensors needed by later stages (skip connections) are passed through
-        the stages in between. Stage 0 takes the model's inputs, the last
-        stage returns its outputs.
-
-        Nothing is copied: the stages call `model`'s own layers, so custom
-        layers, `Lambda`s, adapted preprocessing layers, wrappers, nested
-        models and shared layers (called at several places, in one stage or
-        several) all stay as they are. Each variable's storage is moved to the
-        device of the first stage that uses it; training the pipeline trains
-        `model` too (`model` and the pipeline share every variable). A model
-        too large for one accelerator can be built under
-        `tf.device("/CPU:0")` first.
+        The model is read as units in topological order (`tfpipe.graph`);
+        stage k takes the next `balance[k]` units, and tensors later stages
+        need (skip connections) pass through the stages in between
+        (`tfpipe.cutting`). Nothing is copied: the stages call `model`'s own
+        layers, and each variable's storage moves to the device of the first
+        stage that uses it, so training the pipeline trains `model`.
 
         Args:
           model: a `keras.Sequential` or functional `keras.Model`.
@@ -270,13 +220,10 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         """
         if kwargs.get("batch_norm") is not None:
             config_lib.validate_batch_norm(kwargs["batch_norm"])
-        graph = graph_lib.model_graph(model)
         in_scope = strategy_lib.current_pipeline_strategy()
         strategy = in_scope or strategy_lib.PipelineStrategy()
-        schedule = schedules.get(kwargs.get("schedule") or strategy.schedule)
-        balance, method = partition.choose_balance(graph, balance, strategy.max_stages(schedule),
-                                                   sample)
-        stages = cutting.make_stages(graph, balance)
+        slots = strategy.max_stages(kwargs.get("schedule") or strategy.schedule)
+        graph, balance, method, stages = cutting.cut_model(model, balance, slots, sample)
         if "input_shape" not in kwargs and graph.input_shape is not None:
             kwargs["input_shape"] = graph.input_shape
             kwargs.setdefault("input_dtype", graph.input_dtype)
@@ -313,8 +260,8 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
                 h = inputs_lib.map_shapes(
                     lambda s: keras.KerasTensor(s, dtype=self._input_dtype), input_shape)
             outputs = []  # each stage's symbolic output, for pipeline_summary
-            for k, (stage, device) in enumerate(zip(self.stages, self.stage_devices)):
-                with devices_lib.scope(device):
+            for k, stage in enumerate(self.stages):
+                with self.pipeline.stage_scope(k):
                     try:
                         h_next = stage(h, training=False)
                     except (ValueError, TypeError) as err:
@@ -333,12 +280,6 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
             if len(self.replica_pipelines) == 1:
                 columns = list(self.stage_devices)
             placement.place_variables(self.stages, columns)
-            for k, stage in enumerate(self.stages):
-                own = [v for v in stage.variables
-                       if not any(v is w for s in self.stages[:k] for w in s.variables)]
-                bad = placement.misplaced_variables(own, columns[k])
-                if bad:
-                    raise RuntimeError(f"tfpipe placement bug: stage {k} variables {bad[:3]}.")
             batchnorm.check_layers(self.stages, self.batch_norm,
                                   self._pipeline_strategy.num_replicas)
             self._stage_outputs = outputs
@@ -394,8 +335,8 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         inputs = tf.nest.map_structure(
             lambda t: tf.convert_to_tensor(t) if isinstance(t, np.ndarray) else t, inputs)
         h = inputs if self._source is None else self._source.graph.standardize_inputs(inputs)
-        for stage, device in zip(self.stages, self.stage_devices):
-            with devices_lib.scope(device):
+        for k, stage in enumerate(self.stages):
+            with self.pipeline.stage_scope(k):
                 h = stage(h, training=training)
         return h
 
@@ -463,35 +404,23 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
 
     # Keras calls the function these make once per step (or per
     # steps_per_execution); each call, and the trace the first one starts,
-    # runs in the execution's `stage.call_scope`.
+    # runs in the execution's call scope (`tfpipe.engine.in_call_scope`).
 
     def make_train_function(self, force=False):
         super().make_train_function(force)
-        self.train_function = self._in_call_scope(self.train_function)
+        self.train_function = engine.in_call_scope(self.train_function, self.pipeline_config)
         return self.train_function
 
     def make_test_function(self, force=False):
         super().make_test_function(force)
-        self.test_function = self._in_call_scope(self.test_function)
+        self.test_function = engine.in_call_scope(self.test_function, self.pipeline_config)
         return self.test_function
 
     def make_predict_function(self, force=False):
         super().make_predict_function(force)
-        self.predict_function = self._in_call_scope(self.predict_function)
+        self.predict_function = engine.in_call_scope(self.predict_function,
+                                                     self.pipeline_config)
         return self.predict_function
-
-    def _in_call_scope(self, function):
-        traits = self.pipeline_config.traits
-        if (function is None or not traits.stage_functions
-                or getattr(function, "tfpipe_call_scope", False)):
-            return function
-
-        @functools.wraps(function)
-        def call(*args, **kwargs):
-            with stage_lib.call_scope(traits):
-                return function(*args, **kwargs)
-        call.tfpipe_call_scope = True
-        return call
 
     def split_batch(self, data):
         """A Keras batch `data` ((x, y, sample_weight) or x) as a
@@ -595,17 +524,7 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
             config["balance"] = list(self._source.balance)
             config["balance_method"] = self._source.method
             return config
-        owners = {}
-        for k, stage in enumerate(self.stages):
-            for layer in _internal.flatten_layers(stage):
-                if id(layer) in owners and owners[id(layer)] != k:
-                    raise ValueError(
-                        f"Cannot save {self.name!r}: layer {layer.name!r} is shared by "
-                        f"stages {owners[id(layer)]} and {k}, and stages saved one by one "
-                        f"would no longer share it. Build the pipeline with "
-                        f"PipelinedModel.from_model(model), which saves the model once.")
-                owners[id(layer)] = k
-        config["stages"] = [keras.saving.serialize_keras_object(s) for s in self.stages]
+        config["stages"] = saving.serialize_stages(self.stages, self.name)
         return config
 
     def get_build_config(self):
@@ -637,15 +556,8 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         """
         config = dict(config)
         strategy = strategy_lib.current_pipeline_strategy() or strategy_lib.PipelineStrategy()
-        saved = config.pop("pipeline", None)
-        if saved is None:  # saved by tfpipe 0.1: settings at the top level
-            saved = {k: config.pop(k, None) for k in ("num_microbatches", "recompute", "execution")}
-        else:
-            saved = config_lib.PipelineConfig.from_json(saved).settings()
-        settings = config_lib.merge(saved, strategy.given_settings).settings()
+        settings = saving.load_settings(config, strategy.given_settings)
         request = saving.current_load_request()
-        if request is not None:  # tfpipe.load_model's overrides come last
-            settings.update({k: v for k, v in request.settings.items() if v is not None})
         name, input_dtype = config.pop("name", None), config.pop("input_dtype", "float32")
         with strategy.scope() if strategy_lib.current_pipeline_strategy() is None \
                 else contextlib.nullcontext():
@@ -656,31 +568,25 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
                         config["source_model"], custom_objects=custom_objects)
                 named = {} if name is None else {"name": name}
                 balance = saving.saved_balance(
-                    config["balance"], strategy, schedules.get(settings["schedule"]),
+                    config["balance"], strategy, settings["schedule"],
                     where=f"The saved model {name!r}")
                 pipelined = cls.from_model(source, balance=balance, **named, **settings)
                 if balance == config["balance"]:
                     pipelined._source.method = config.get("balance_method", "explicit")
                 return pipelined
             if request is not None and (request.balance is not None or len(
-                    config["stages"]) != strategy.max_stages(schedules.get(settings["schedule"]))):
+                    config["stages"]) != strategy.max_stages(settings["schedule"])):
                 raise ValueError(
                     f"{request.path} holds {len(config['stages'])} hand-made stages, which "
                     f"cannot be cut again. Load it under a strategy with as many stage "
                     f"slots, or build the pipeline with PipelinedModel.from_model(model) "
                     f"(re-cuttable) and save that.")
             stage_configs = config.pop("stages")
-            schedule = settings["schedule"]
             try:
-                devices = strategy.pipeline_devices(len(stage_configs), schedule)[1]
+                devices = strategy.pipeline_devices(len(stage_configs), settings["schedule"])[1]
             except ValueError:
                 devices = ()  # __init__ below raises the same error, with context
-            stages = []
-            for k, stage_config in enumerate(stage_configs):
-                # A deserialised Sequential builds itself: do it on its device.
-                with devices_lib.scope(devices[k]) if k < len(devices) else contextlib.nullcontext():
-                    stages.append(keras.saving.deserialize_keras_object(
-                        stage_config, custom_objects=custom_objects))
+            stages = saving.deserialize_stages(stage_configs, devices, custom_objects)
             return cls(stages=stages, name=name, input_dtype=input_dtype, **settings)
 
 

@@ -106,8 +106,7 @@ def canonical_device(name):
     raise ValueError(
         f"Device {name!r} does not exist. Available logical devices: {known}. "
         f"To get more logical CPUs on one machine call "
-        f"tfpipe.testing.use_logical_cpus(n) before TensorFlow initialises."
-    )
+        f"tfpipe.testing.use_logical_cpus(n) before TensorFlow initialises.")
 
 
 def device_of(variable):
@@ -158,4 +157,7 @@ def place_variables(stages, stage_devices):
             if misplaced_variables([v], device):
                 first = device[0] if isinstance(device, (list, tuple)) else device
                 _internal.move_variable(v, first)
+                bad = misplaced_variables([v], device)
+                if bad:  # TensorFlow fell back to another device: never go on
+                    raise RuntimeError(f"tfpipe placement bug: stage {k} variable {bad[0]}.")
     return homes

@@ -34,6 +34,8 @@ import keras
 import tensorflow as tf
 
 from tfpipe import _internal
+from tfpipe import config as config_lib
+from tfpipe import devices as devices_lib
 from tfpipe import inputs as inputs_lib
 
 # Set by `load_model` for the `PipelinedModel.from_config` it triggers.
@@ -85,6 +87,49 @@ def saved_balance(saved_balance, strategy, schedule, where="this file"):
             f"it again for these devices (balance=None cuts by parameter count), or save "
             f"a plain Keras model with tfpipe.to_keras(model) for single-device use.")
     return saved_balance
+
+
+def load_settings(config, given):
+    """The pipeline settings a saved `PipelinedModel` config loads with: the
+    saved ones, those the strategy in scope was `given` explicitly, then
+    `load_model`'s overrides (pops them from `config`)."""
+    saved = config.pop("pipeline", None)
+    if saved is None:  # saved by tfpipe 0.1: settings at the top level
+        saved = {k: config.pop(k, None) for k in ("num_microbatches", "recompute", "execution")}
+    else:
+        saved = config_lib.PipelineConfig.from_json(saved).settings()
+    settings = config_lib.merge(saved, given).settings()
+    request = current_load_request()
+    if request is not None:  # tfpipe.load_model's overrides come last
+        settings.update({k: v for k, v in request.settings.items() if v is not None})
+    return settings
+
+
+def serialize_stages(stages, name):
+    """Hand-made stages' configs, one per stage; a ValueError if a layer is
+    shared by two stages (saved one by one, they would no longer share it)."""
+    owners = {}
+    for k, stage in enumerate(stages):
+        for layer in _internal.flatten_layers(stage):
+            if id(layer) in owners and owners[id(layer)] != k:
+                raise ValueError(
+                    f"Cannot save {name!r}: layer {layer.name!r} is shared by "
+                    f"stages {owners[id(layer)]} and {k}, and stages saved one by one "
+                    f"would no longer share it. Build the pipeline with "
+                    f"PipelinedModel.from_model(model), which saves the model once.")
+            owners[id(layer)] = k
+    return [keras.saving.serialize_keras_object(s) for s in stages]
+
+
+def deserialize_stages(stage_configs, devices, custom_objects=None):
+    """Hand-made stages from their configs, each made on its device (a
+    deserialised Sequential builds itself)."""
+    stages = []
+    for k, stage_config in enumerate(stage_configs):
+        with devices_lib.scope(devices[k]) if k < len(devices) else contextlib.nullcontext():
+            stages.append(keras.saving.deserialize_keras_object(
+                stage_config, custom_objects=custom_objects))
+    return stages
 
 
 def to_keras(model, device=None, include_optimizer=True):
