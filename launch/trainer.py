@@ -27,6 +27,8 @@ import tensorflow as tf
 
 import tfpipe
 from launch import checkpoints
+from launch import files
+from launch import history as history_lib
 from launch import config as config_lib
 from launch import data as data_lib
 from launch.config import Diverged, RunError, WorkerLost
@@ -220,9 +222,9 @@ def _run_settings(config, model_name, dataset, steps_per_epoch):
 
 def _clear_outputs(model_dir):
     """A fresh (not resumed) run starts without the outputs of an earlier one."""
-    for name in (checkpoints.CHECKPOINT_DIR, checkpoints.TENSORBOARD_DIR, "timeline"):
+    for name in (checkpoints.CHECKPOINT_DIR, history_lib.TENSORBOARD_DIR, "timeline"):
         shutil.rmtree(model_dir / name, ignore_errors=True)
-    for name in (checkpoints.HISTORY_FILE, checkpoints.LOSS_PLOT):
+    for name in (history_lib.HISTORY_FILE, history_lib.LOSS_PLOT):
         (model_dir / name).unlink(missing_ok=True)
 
 
@@ -266,7 +268,7 @@ def _resume_point(store, run, model_dir, reshard=False):
             _warn(f"skipped {name}: {why}.")
         print(f"--resume: no checkpoint in {store.dir}; starting from step 0.")
         return None, None
-    recorded = checkpoints.RunHistory.from_json(model_dir / checkpoints.HISTORY_FILE,
+    recorded = history_lib.RunHistory.from_json(model_dir / history_lib.HISTORY_FILE,
                                                 found.manifest["history"])
     diff = recorded.mismatches(run)
     if reshard:  # the layout may change; what fixes the variables and data may not
@@ -342,9 +344,9 @@ def train(config, callbacks=()):
 
     model_dir = pathlib.Path(config.model_dir)
     checkpoint_dir = model_dir / checkpoints.CHECKPOINT_DIR
-    history_path = model_dir / checkpoints.HISTORY_FILE
-    checkpoints.remove_temporary_files(model_dir)
-    checkpoints.remove_temporary_files(checkpoint_dir)
+    history_path = model_dir / history_lib.HISTORY_FILE
+    files.remove_temporary_files(model_dir)
+    files.remove_temporary_files(checkpoint_dir)
     # The checkpoint object is set once the model exists; finding and checking
     # what to resume from needs only the files, so a refusal comes first.
     store = checkpoints.CheckpointStore(checkpoint_dir, checkpoint=None)
@@ -373,11 +375,11 @@ def train(config, callbacks=()):
     if cluster_spec is not None:  # every checkpoint file written by this process, here
         store.options = tf.train.CheckpointOptions(
             experimental_io_device="/job:localhost/replica:0/task:0/device:CPU:0")
-    history = checkpoints.RunHistory(history_path, run)
+    history = history_lib.RunHistory(history_path, run)
     if resume_step is not None:
         # Into the variables that exist already: values move, devices stay.
-        history = store.restore(resume_step, manifest, history_path,
-                                strict=config.reshard)
+        history = history_lib.RunHistory.from_json(
+            history_path, store.restore(resume_step, manifest, strict=config.reshard))
         if config.reshard:
             previous = {k: history.run.get(k) for k in LAYOUT_SETTINGS}
             history.run = run  # a later --resume continues at the new layout
@@ -396,7 +398,7 @@ def train(config, callbacks=()):
     if verbose:  # what this configuration costs, before the first step (tfpipe.plan)
         print(tfpipe.plan(model, config.batch_size, config.microbatches, repeats=1), flush=True)
     timer = StepTimer()
-    board = checkpoints.TensorBoardLog(model_dir / checkpoints.TENSORBOARD_DIR)
+    board = history_lib.TensorBoardLog(model_dir / history_lib.TENSORBOARD_DIR)
     board.rebuild(history)  # a resumed run's logs: exactly its restored steps
     variables = list(model.weights) + list(model.optimizer.variables)
     checkpointer = checkpoints.Checkpointer(store, step, config.checkpoint_every,
@@ -408,7 +410,7 @@ def train(config, callbacks=()):
         timeline = tfpipe.profile.PipelineTimeline(
             x_train[: config.batch_size], y_train[: config.batch_size],
             log_dir=str(model_dir / "timeline"),
-            tensorboard_dir=str(model_dir / checkpoints.TENSORBOARD_DIR / "pipeline"))
+            tensorboard_dir=str(model_dir / history_lib.TENSORBOARD_DIR / "pipeline"))
     own_callbacks = [
         # First, so that its clock starts before the others' work at each hook.
         *([tfpipe.StepWatchdog(timeout_s=config.step_timeout, cluster=cluster_spec)]
@@ -416,7 +418,7 @@ def train(config, callbacks=()):
         timer,
         # First: it stops at a non-finite loss before anything records the step,
         # and puts the epoch's running means into the logs the others see.
-        checkpoints.StepRecorder(history, order.num_rows_of, start_step, board),
+        history_lib.StepRecorder(history, order.num_rows_of, start_step, board),
         checkpointer,  # after the StepRecorder: it saves the history that one appends to
     ]
     validation = (x_val, y_val)
@@ -461,7 +463,7 @@ def train(config, callbacks=()):
         board.close()
 
     history.save()
-    plot_path = model_dir / checkpoints.LOSS_PLOT
+    plot_path = model_dir / history_lib.LOSS_PLOT
     history.plot_loss(plot_path)
     per_epoch = history.per_epoch()
 

@@ -1,0 +1,71 @@
+"""Writing files so that a crash leaves the old version or the new, never half."""
+
+import contextlib
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+
+
+def atomic_write(path, data):
+    """Writes `data` (str or bytes) to `path`: all of it, or nothing.
+
+    The bytes go to a uniquely named temporary file in the same directory
+    (`.NAME.RANDOM.tmp`), which is fsynced and renamed over `path`; then the
+    directory is fsynced. A crash leaves the old file or the new one, plus at
+    most a temporary file (`remove_temporary_files` clears those).
+    """
+    path = pathlib.Path(path)
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from others
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory):
+    """fsyncs `directory` itself (its entries: a rename is durable after it)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_temporary_files(directory):
+    """Deletes what interrupted writes left in `directory`: `.NAME.*.tmp` files
+    (`atomic_write`) and `.ckpt-N.tmp-*` files and directories (checkpoint saves).
+    Call it only while holding the run's lock."""
+    directory = pathlib.Path(directory)
+    if not directory.is_dir():
+        return
+    for entry in directory.iterdir():
+        if entry.name.startswith(".") and (entry.name.endswith(".tmp") or ".tmp-" in entry.name):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+def sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def canonical(body):
+    return json.dumps(body, sort_keys=True, separators=(",", ":"))
