@@ -1,15 +1,12 @@
 """The one place where tfpipe touches private TensorFlow and Keras APIs.
 
-A custom `tf.distribute.Strategy` needs a `StrategyExtended` implementation and
-TensorFlow only ships private ones; re-materialisation needs a layer's seed
-generators; exact losses need the hidden metadata Keras keeps on tensors
-(masks, softmax/sigmoid logits) and the compiled loss's resolved terms;
-placing a user's own layers needs re-creating a Keras variable's storage on
-another device; deferred BatchNorm needs the moments a BatchNormalization layer
-computes. Everything private is used here and nowhere else, and
+Custom `StrategyExtended`s, seed generators, the metadata Keras keeps on
+tensors, the compiled loss's terms, a variable's storage, BatchNorm's moments:
+everything private is used here and nowhere else, and
 `tfpipe_tests/test_testing_and_internal.py` pins it, so a TensorFlow or Keras
 upgrade breaks this file and its test, not the engine.
 """
+# pylint: disable=protected-access
 
 import contextlib
 
@@ -27,13 +24,11 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util
 
 
-class PipelineExtended(distribute_lib._DefaultDistributionExtended):  # pylint: disable=protected-access
-    """Single-replica `StrategyExtended` that never overrides device scopes.
-
-    Unlike `OneDeviceStrategy` it creates each variable where the enclosing
-    `tf.device` says (the stage's device), colocates optimizer slots with their
-    variable, and runs each optimizer update on the variable's device.
-    """
+class PipelineExtended(distribute_lib._DefaultDistributionExtended):
+    """Single-replica `StrategyExtended` that never overrides device scopes:
+    unlike `OneDeviceStrategy` it creates each variable where the enclosing
+    `tf.device` says, and colocates optimizer slots and updates with their
+    variable."""
 
     def __init__(self, container_strategy, devices):
         super().__init__(container_strategy)
@@ -81,11 +76,8 @@ class PipelineExtended(distribute_lib._DefaultDistributionExtended):  # pylint: 
 
 class _OneReplicaContext(distribute_lib.ReplicaContext):
     """One replica: an all-reduce (Keras' sum of the gradients) is the value
-    itself. The base class wraps it in a custom gradient whose IdentityN over
-    every gradient has no device, so the placer puts it on the client: with
-    stages on other tasks every gradient would travel to the client and back
-    (`benchmarks/multiprocess.py` measured 1.51x the local step time with it,
-    1.17x without, at M=1)."""
+    itself. The base class's has a deviceless IdentityN, which the placer puts
+    on the client: every remote stage's gradient would travel there and back."""
 
     def all_reduce(self, reduce_op, value, options=None):
         return value
@@ -100,16 +92,12 @@ class _Column:
 
 
 class PipelineGridExtended(mirrored_strategy.MirroredExtended):
-    """`StrategyExtended` of R data-parallel pipelines on a device grid.
+    """`StrategyExtended` of R data-parallel pipelines on a device grid
+    (`grid[r][k]`: slot k of replica r; inputs arrive on `grid[r][0]`).
 
-    `grid[r][k]` is the device of pipeline slot k in replica r. Replica r runs
-    on row r (its inputs arrive on `grid[r][0]`). A variable created under
-    `tf.device(grid[r][k])` is mirrored over column k (one copy per replica,
-    copy r on `grid[r][k]`), and so are its optimizer slots (they are created
-    colocated with it); one created anywhere else is mirrored over column 0.
-    Gradients are all-reduced per variable over its column, and each copy is
-    updated on its own device: TF's mirrored machinery, with the per-column
-    placement as the only change.
+    TF's mirrored machinery, with one change: a variable created under
+    `tf.device(grid[r][k])`, and its optimizer slots, are mirrored over
+    column k (elsewhere: column 0); gradients are all-reduced over the column.
     """
 
     def __init__(self, container_strategy, grid):
@@ -127,15 +115,11 @@ class PipelineGridExtended(mirrored_strategy.MirroredExtended):
 
 
 class PipelineMultiWorkerExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
-    """`StrategyExtended` of one pipeline per worker process (multi-client).
-
-    Every process of a `TF_CONFIG` cluster runs the same program; each is one
-    data-parallel replica whose pipeline runs on its own local devices. A
-    variable created under `tf.device(<local device>)` lives on that device
-    of this worker (one copy per worker); gradients and metrics are summed
-    over the workers by TF's collective ops, which run on each worker's first
-    device in one order, and each copy is updated where it lives. Initial
-    values are broadcast from the chief, as in `MultiWorkerMirroredStrategy`.
+    """`StrategyExtended` of one pipeline per worker process (multi-client):
+    every process of a `TF_CONFIG` cluster runs the same program as one
+    replica on its own local devices. A variable created under a local
+    `tf.device` lives there (one copy per worker); gradients and metrics are
+    summed by TF's collective ops, initial values broadcast from the chief.
     """
 
     def __init__(self, container_strategy, cluster_resolver):
@@ -176,14 +160,10 @@ def local_copies(variable):
 
 
 def adopt_optimizer(optimizer, strategy):
-    """Makes a Keras TF optimizer place slots and updates through `strategy`.
-
-    Keras captures `tf.distribute.get_strategy()` when an optimizer is created;
-    one created outside `strategy.scope()` would otherwise keep the default
-    strategy and run every stage's update math on the default device.
-    """
+    """Makes a Keras TF optimizer place slots and updates through `strategy`
+    (Keras captures the strategy in scope when an optimizer is created)."""
     if hasattr(optimizer, "_distribution_strategy"):
-        optimizer._distribution_strategy = strategy  # pylint: disable=protected-access
+        optimizer._distribution_strategy = strategy
     inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
     if inner is not None:
         adopt_optimizer(inner, strategy)
@@ -192,7 +172,7 @@ def adopt_optimizer(optimizer, strategy):
 def seed_generators(layer):
     """All `keras.random.SeedGenerator`s used by `layer` and its sub-layers."""
     found = []
-    for sub in layer._flatten_layers(include_self=True, recursive=True):  # pylint: disable=protected-access
+    for sub in layer._flatten_layers(include_self=True, recursive=True):
         for gen in getattr(sub, "_seed_generators", ()):
             if all(gen is not g for g in found):
                 found.append(gen)
@@ -203,7 +183,6 @@ def in_keras_symbolic_build():
     """True inside Keras' symbolic (stateless) build, where variable creation
     is deferred and would later land on the default device."""
     from keras.src.backend.common import stateless_scope  # pylint: disable=import-outside-toplevel
-
     return stateless_scope.in_stateless_scope()
 
 
@@ -214,32 +193,22 @@ def in_xla_context():
     return control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
 
 
-def tpu_cores_per_replica(strategy):
-    """Logical cores per replica of a `tf.distribute.TPUStrategy` (its
-    extended's `_tpu_devices` is [replicas, cores]; TensorFlow itself reads it
-    so in `experimental_logical_device`)."""
-    return int(strategy.extended._tpu_devices.shape[1])  # pylint: disable=protected-access
-
-
 def in_keras_symbolic_scope():
     """True inside Keras' `compute_output_spec` (its symbolic build of a model
     traces it on placeholders that are dense even for ragged inputs)."""
     from keras.src.backend.common import symbolic_scope  # pylint: disable=import-outside-toplevel
-
     return symbolic_scope.in_symbolic_scope()
 
 
 def chain_ops(ops_in_order, after=None):
-    """Adds control edges so `ops_in_order` run one after another (after `after`).
-
-    Used to emulate one accelerator stream per device on CPU (benchmarks):
-    graph ops created while tracing one action are in a valid topological
-    order, so chaining them adds no cycle. Returns the last op (or `after`).
-    """
+    """Adds control edges so `ops_in_order` run one after another (after
+    `after`), emulating one accelerator stream per device on CPU; ops made
+    while tracing one action are in topological order, so this adds no cycle.
+    Returns the last op (or `after`)."""
     previous = after
     for op in ops_in_order:
         if previous is not None and previous not in op.control_inputs:
-            op._add_control_input(previous)  # pylint: disable=protected-access
+            op._add_control_input(previous)
         previous = op
     return previous
 
@@ -247,14 +216,11 @@ def chain_ops(ops_in_order, after=None):
 def unordered_timestamp():
     """`tf.timestamp()` (float64 seconds) that tf.function does not chain.
 
-    tf.function's automatic control dependencies run every stateful op that
-    has no resource input (`Timestamp` is one) in creation order. A stamp
-    per pipeline action would then make each action wait for the action
-    traced before it, on whatever device: the timeline of a step that never
-    runs two devices at once. Marked independent
-    (`AutomaticControlDependencies.run_independently`, reached through the
-    graph's `experimental_acd_manager`), the stamp is ordered only by the
-    control edges its caller adds, and still runs before the function returns.
+    tf.function runs stateful ops without a resource input, `Timestamp`
+    among them, in creation order: a stamp per action would serialise the
+    devices. Marked independent (`run_independently` of the graph's
+    `experimental_acd_manager`), it is ordered only by its caller's control
+    edges, and still runs before the function returns.
     """
     stamp = tf.timestamp()
     manager = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None)
@@ -268,17 +234,14 @@ _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 
 def function_body(call_op):
     """The `FuncGraph` a function call op runs (None if it is not a call op,
-    or its function is not in the graph's library as a traced function).
-
-    `Graph._get_function` is private; a function traced inside another is
-    registered in some enclosing graph, so the search walks outwards.
-    """
+    or its function is not a traced one in the library of its graph or an
+    enclosing one, where a function traced inside another is registered)."""
     if call_op.type not in _CALL_OPS:
         return None
     name = call_op.get_attr("f").name
     graph = call_op.graph
     while graph is not None:
-        function = graph._get_function(name)  # pylint: disable=protected-access
+        function = graph._get_function(name)
         if function is not None:
             return getattr(function, "graph", None)
         graph = getattr(graph, "outer_graph", None)
@@ -288,8 +251,7 @@ def function_body(call_op):
 def concrete_inputs(concrete, args):
     """The tensors a call of `concrete` (a `ConcreteFunction`) on `args`
     passes to its op, by TF's own binding of the arguments."""
-    bound = function_type_utils.canonicalize_function_inputs(
-        args, {}, concrete.function_type)
+    bound = function_type_utils.canonicalize_function_inputs(args, {}, concrete.function_type)
     return concrete.function_type.unpack_inputs(bound)
 
 
@@ -297,22 +259,18 @@ def call_concrete(concrete, tensors):
     """Calls `concrete` on `tensors` as `concrete_inputs` gives them, without
     binding the arguments again (TF redoes that on every call); returns its
     structured outputs."""
-    return concrete._call_flat(tensors, captured_inputs=concrete.captured_inputs)  # pylint: disable=protected-access
+    return concrete._call_flat(tensors, captured_inputs=concrete.captured_inputs)
 
 
 @contextlib.contextmanager
 def function_optimizer_off():
     """Runs the block's `tf.function` calls, and the traces they start, with
-    grappler's function optimizer off, in this thread only.
+    grappler's function optimizer off, in this thread only (through the eager
+    context's `function_call_options`, not the process-wide option).
 
-    That optimizer specialises a non-inlined function to each place it is
-    called (a copy per call op whose outputs are partly unused or whose
-    inputs are constants), and each copy is optimised again when it first
-    runs: a stage function called by 2M forward and backward actions was
-    optimised up to 2M times. `tf.config.optimizer.set_experimental_options`
-    would switch it off for the whole process; the eager context's
-    `function_call_options` (private) carry the grappler config that a call,
-    and every call op traced under it, runs with.
+    That optimizer specialises a non-inlined function to each call op and
+    optimises each copy again: a stage function called by 2M actions was
+    optimised up to 2M times.
     """
     ctx = context.context()
     saved = ctx.function_call_options
@@ -328,9 +286,6 @@ def function_optimizer_off():
         ctx.function_call_options = saved
 
 
-# -- Keras metadata on tensors ------------------------------------------------
-
-
 def get_keras_mask(tensor):
     """The Keras mask riding on `tensor` (`_keras_mask`), or None."""
     return keras_masking.get_keras_mask(tensor)
@@ -342,17 +297,14 @@ def set_keras_mask(tensor, mask):
 
 
 def get_keras_logits(tensor):
-    """The logits a softmax/sigmoid output was computed from, or None.
-
-    Keras' crossentropy reads them instead of the probabilities, so the
-    gradient of such a loss flows through the logits, not through the output.
-    """
+    """The logits a softmax/sigmoid output was computed from, or None (Keras'
+    crossentropy reads them, so its gradient flows through the logits)."""
     return getattr(tensor, "_keras_logits", None)
 
 
 def set_keras_logits(tensor, logits):
     try:
-        tensor._keras_logits = logits  # pylint: disable=protected-access
+        tensor._keras_logits = logits
     except AttributeError:  # eager tensors take no attributes (nor does Keras)
         pass
 
@@ -381,17 +333,12 @@ def slice_with_metadata(tensor, rows):
     return out
 
 
-# -- placing and inspecting the user's layers ---------------------------------
-
-
 def move_variable(variable, device):
-    """Re-creates a built Keras variable's storage on `device`, same value.
-
-    The layer keeps the same `keras.Variable` object (and so does every other
-    layer or model sharing it); only its backing `tf.Variable` is new.
-    """
+    """Re-creates a built Keras variable's storage on `device`, same value; the
+    `keras.Variable` object (and every layer sharing it) stays, only its
+    backing `tf.Variable` is new."""
     with tf.device(device):
-        variable._initialize(variable.value.read_value())  # pylint: disable=protected-access
+        variable._initialize(variable.value.read_value())
 
 
 def producing_node(tensor):
@@ -401,20 +348,20 @@ def producing_node(tensor):
     if history is None or history.operation is None:
         return None, None, None
     op = history.operation
-    return op, op._inbound_nodes[history.node_index], history.node_index  # pylint: disable=protected-access
+    return op, op._inbound_nodes[history.node_index], history.node_index
 
 
 def keep_input_types(layer):
     """Stops Keras' `Layer.__call__` from converting `layer`'s inputs (it would
     turn a RaggedTensor dense), as Keras' functional models do; `layer.call`
     then converts what needs converting."""
-    layer._convert_input_args = False  # pylint: disable=protected-access
-    layer._allow_non_tensor_positional_args = True  # pylint: disable=protected-access
+    layer._convert_input_args = False
+    layer._allow_non_tensor_positional_args = True
 
 
 def flatten_layers(layer):
     """`layer` and all its sub-layers, recursively, each once."""
-    return layer._flatten_layers(include_self=True, recursive=True)  # pylint: disable=protected-access
+    return layer._flatten_layers(include_self=True, recursive=True)
 
 
 def call_losses(layer):
@@ -422,7 +369,7 @@ def call_losses(layer):
     (`add_loss`, activity regularisers); weight regularisers excluded."""
     found = []
     for sub in flatten_layers(layer):
-        found.extend(sub._get_own_losses())  # pylint: disable=protected-access
+        found.extend(sub._get_own_losses())
     return found
 
 
@@ -437,54 +384,46 @@ def reset_compiled_functions(model):
 @contextlib.contextmanager
 def intercept_moments(layer, record):
     """While active, `layer` (a BatchNormalization) reports every (mean,
-    variance) it normalises with: `record(inputs, mask, mean, variance)`.
-
-    Keras' own training branch still runs, so the output is exactly plain BN's.
-    """
-    original = type(layer)._moments  # pylint: disable=protected-access
+    variance) it normalises with: `record(inputs, mask, mean, variance)`
+    (Keras' own training branch still runs)."""
+    original = type(layer)._moments
 
     def moments(inputs, mask):
         mean, variance = original(layer, inputs, mask)
         record(inputs, mask, mean, variance)
         return mean, variance
 
-    layer._moments = moments  # pylint: disable=protected-access
+    layer._moments = moments
     try:
         yield
     finally:
-        del layer._moments  # pylint: disable=protected-access
+        del layer._moments
 
 
 def batch_norm_reduction_axes(layer):
-    return list(layer._reduction_axes)  # pylint: disable=protected-access
-
-
-# -- the compiled loss ----------------------------------------------------------
+    return list(layer._reduction_axes)
 
 
 def compiled_loss_terms(compile_loss):
     """The built `CompileLoss`'s terms: (path, loss, weight, name) each, where
     `loss` is a `keras.losses.Loss` and `path` indexes y_true and y_pred."""
-    return [(t.path, t.loss, t.loss_weights, t.name) for t in compile_loss._flat_losses]  # pylint: disable=protected-access
+    return [(t.path, t.loss, t.loss_weights, t.name) for t in compile_loss._flat_losses]
 
 
 def compiled_loss_structures(compile_loss):
     """The (y_true, y_pred) structures the `CompileLoss` was built for."""
-    return compile_loss._y_true_build_structure, compile_loss._y_pred_build_structure  # pylint: disable=protected-access
+    return compile_loss._y_true_build_structure, compile_loss._y_pred_build_structure
 
 
 def user_loss(compile_loss):
     """The `loss` argument given to `compile`."""
-    return compile_loss._user_loss  # pylint: disable=protected-access
-
-
-# -- the Keras model's own state ------------------------------------------------
+    return compile_loss._user_loss
 
 
 def set_distribute_strategy(model, strategy):
     """Makes Keras' fit/evaluate/predict of `model` run under `strategy`
     (Keras reads the model's `_distribute_strategy`)."""
-    model._distribute_strategy = strategy  # pylint: disable=protected-access
+    model._distribute_strategy = strategy
 
 
 def compiled_loss(model):
@@ -494,7 +433,7 @@ def compiled_loss(model):
 
 def loss_tracker(model):
     """The `Mean` metric Keras reports as `loss`."""
-    return model._loss_tracker  # pylint: disable=protected-access
+    return model._loss_tracker
 
 
 def jit_compile(model):
@@ -510,9 +449,8 @@ def call_context_args(layer):
 
 class CheckpointAs:
     """Mixin for a Keras model: `tf.train.Checkpoint` saves
-    `self.checkpoint_children()` (a dict of trackables) as its children.
-    Keras 3 would list none: its variables would be saved only through an
-    optimizer, and the non-trainable ones not at all."""
+    `self.checkpoint_children()` (a dict of trackables) as its children
+    (Keras 3 would list none)."""
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         if save_type != "checkpoint":
@@ -522,4 +460,4 @@ class CheckpointAs:
 
 def checkpoint_children(trackable):
     """What `tf.train.Checkpoint` saves as `trackable`'s children."""
-    return trackable._trackable_children("checkpoint")  # pylint: disable=protected-access
+    return trackable._trackable_children("checkpoint")

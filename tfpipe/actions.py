@@ -1,24 +1,13 @@
 """The vocabulary of a pipeline schedule: actions, their kinds, the recompute rule.
 
 An action is (kind, stage, micro-batch): `F` runs a stage's forward on one
-micro-batch, `B` its backward; a split backward is `I` (the gradient of the
-stage input, on the critical path) then `W` (the weight gradients, which can
-wait). The kinds, their dependencies, costs and memory effects are one table,
-`KINDS`, that validation, simulation, the clock and the engine read.
-
-Dependencies between actions (what `tfpipe.simulation.validate` checks and
-the engine obeys):
-  F(s, m) needs F(s - 1, m);
-  B(s, m) and I(s, m) need F(s, m) and the input gradient of (s + 1, m),
-    which B(s + 1, m) or I(s + 1, m) produces (whichever the table has);
-  W(s, m) needs I(s, m).
-Every (stage, micro-batch) has one F and either one B or one I and one W.
-The last stage's loss is computed right after its forward, on its device.
-
+micro-batch, `B` its backward; a split backward is `I` (the stage input's
+gradient, on the critical path) then `W` (the weight gradients, which can
+wait). Every (stage, micro-batch) has one F and either one B or one I and
+one W. The kinds, their dependencies, costs and memory effects are one
+table, `KINDS`, that validation, simulation, the clock and the engine read.
 `Schedule` is the interface a schedule implements (`tfpipe.schedules` has
-the built-in ones); `merge_split_backward` is the lowering pass for an
-execution that cannot hold a weight gradient apart from its input gradient.
-Pure Python: nothing here imports TensorFlow.
+the built-in ones). Pure Python.
 """
 
 import dataclasses
@@ -51,8 +40,7 @@ class Action(NamedTuple):
                               for k, kind in KINDS.items())
             raise ValueError(
                 f"Cannot read action {text!r}; write actions as {forms} (e.g. 'F0.3'), "
-                f"or as (kind, stage, microbatch)."
-            )
+                f"or as (kind, stage, microbatch).")
         return cls(match.group(1).upper(), int(match.group(2)), int(match.group(3)))
 
 
@@ -61,8 +49,7 @@ class ActionKind:
     """What one kind of action is, as data.
 
     Attributes:
-      name: the letter ("F", "B", "I", "W").
-      description: a few words, for messages.
+      name, description: the letter ("F", "B", "I", "W"); words for messages.
       memory: change in the stage's live activations when it runs (F keeps
         them, B and W free them; I keeps them for the W).
       cost: which cost it takes in `simulate`: "forward", "backward",
@@ -70,8 +57,8 @@ class ActionKind:
       needs: (what, stage offset) pairs on the same micro-batch: `what` is a
         kind, or "grad" for the input gradient of that stage (produced by B
         or I, see `input_gradient_action`). Stages outside 0..K-1 are dropped.
-      input_gradient: whether it produces the stage input's gradient.
-      weight_gradient: whether it produces the stage's weight gradients.
+      input_gradient, weight_gradient: whether it produces the stage input's
+        gradient, the stage's weight gradients.
       rule: `needs` in words, for the deadlock message.
     """
 
@@ -115,9 +102,7 @@ BACKWARD_FORMS = (("B",), ("I", "W"))
 RULES = "; ".join(kind.rule for kind in KINDS.values() if kind.rule) + "."
 
 
-# Re-materialisation policies (`tfpipe.recompute` applies them; `simulate`
-# prices them): which micro-batches replay their stage's forward before the
-# backward that needs its activations.
+# Which micro-batches replay their stage's forward (`is_recomputed`).
 RECOMPUTE_MODES = ("always", "except_last", "never")
 
 
@@ -125,11 +110,9 @@ def validate_recompute(mode):
     """Returns `mode` if it names a recompute policy, else raises ValueError."""
     if mode not in RECOMPUTE_MODES:
         raise ValueError(
-            f"Unknown recompute mode {mode!r}. Use one of {list(RECOMPUTE_MODES)}: "
-            f"'always' recomputes every stage in the backward pass, "
-            f"'except_last' all but the last micro-batch (as torchgpipe), "
-            f"'never' keeps all activations."
-        )
+            f"Unknown recompute mode {mode!r}. Use one of {list(RECOMPUTE_MODES)}: 'always' "
+            f"recomputes every stage in the backward pass, 'except_last' all but the last "
+            f"micro-batch (as torchgpipe), 'never' keeps all activations.")
     return mode
 
 
@@ -159,13 +142,9 @@ def input_gradient_action(actions, stage, microbatch):
 class Spelling:
     """How a caller names its settings in error messages: as library
     arguments (`num_stages=3`, the default `ARGUMENTS`) or as the flags of
-    `launch.train` (`--stages=3`), so that one rule has one message.
-
-    Args:
-      flags: None for arguments; else {setting: flag name}, e.g.
-        {"num_stages": "stages"}.
-      unset: how the caller leaves a setting to tfpipe ("leave it unset",
-        "auto").
+    `launch.train` (`--stages=3`, with `flags={"num_stages": "stages"}`), so
+    that one rule has one message. `unset`: how the caller leaves a setting
+    to tfpipe ("leave it unset", "auto").
     """
 
     def __init__(self, flags=None, unset="leave it unset"):
@@ -190,10 +169,8 @@ def check_counts(num_microbatches, num_devices):
 
 class Schedule:
     """Base class: a schedule is `actions(M, D)`, one action list per device.
-
-    Subclasses set `name` and implement `actions`; `virtual_stages` (v) is the
-    number of stages each device holds (K = v * D); `splits_backward` says
-    whether the backward is split into I and W actions.
+    Subclasses set `name` and implement `actions`; `virtual_stages` (v) is
+    the stages per device (K = v * D); `splits_backward`: I and W actions.
     """
 
     name = "schedule"
@@ -221,8 +198,7 @@ class Schedule:
         """The table as text, one line per device."""
         table = self.actions(num_microbatches, num_devices)
         return "\n".join(
-            f"device {d}: " + " ".join(str(a) for a in row) for d, row in enumerate(table)
-        )
+            f"device {d}: " + " ".join(str(a) for a in row) for d, row in enumerate(table))
 
     def get_config(self):
         return {}
@@ -240,14 +216,12 @@ class Schedule:
 
 def merge_split_backward(order):
     """Lowers a run order for an execution that cannot hold W apart from I:
-    each I(s, m) becomes B(s, m) in its place, and W(s, m) is dropped.
-
-    Valid for any valid order: B has I's dependencies, and nothing waits for
-    a W. (PyTorch's pipelining does the same for its schedules, `_merge_bw`.)
+    each I(s, m) becomes B(s, m) in its place, and W(s, m) is dropped (valid
+    for any valid order: B has I's dependencies, and nothing waits for a W).
 
     >>> merge_split_backward([(0, Action("F", 0, 0)), (0, Action("I", 0, 0)),
     ...                       (0, Action("W", 0, 0))])
-    [(0, Action(kind='B', stage=0, microbatch=0))]
+    [(0, Action(kind='F', stage=0, microbatch=0)), (0, Action(kind='B', stage=0, microbatch=0))]
     """
     out = []
     for d, action in order:

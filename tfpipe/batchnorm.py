@@ -1,38 +1,13 @@
 """Deferred batch normalisation: moving statistics of the whole mini-batch.
 
-With M micro-batches each `keras.layers.BatchNormalization` in a stage runs M
-times per training step; each run normalises its micro-batch with that
-micro-batch's statistics and, in plain Keras, updates the moving mean and
-variance, so one step applies M momentum updates from statistics of N / M rows.
-With `batch_norm="deferred"` (the default; torchgpipe's `DeferredBatchNorm`)
-tfpipe keeps the normalisation and changes only the update, for every
-BatchNormalization layer in every stage however deeply it is nested (inside a
-residual block, a nested model, a wrapper) — the user's layers are not
-replaced or changed:
-
-* Each call (one micro-batch) is normalised with its own mean and biased
-  variance, exactly as `BatchNormalization` does (its own code runs).
-* tfpipe records that call's per-channel count, mean and variance.
-* At the end of the step the moving statistics are set once from their value
-  before the step and the statistics of all M calls merged (count-weighted,
-  Chan et al.'s parallel formula: exactly the mean and biased variance of the
-  whole mini-batch's activations at that layer):
-  `moving_mean = momentum * moving_mean_before + (1 - momentum) * mean(mini-batch)`,
-  likewise `moving_variance`. That is the update full-batch training applies.
-  A layer called at several places per step (shared) gets one such update per
-  call site, in call order, as in plain Keras.
-
-Nothing about M is stored in the layers: the pipeline reads it from its
-configuration when it traces a step, so a model loaded with another M is right.
-Recompute replays restore every non-trainable variable, so replays never
-count. With M = 1 nothing is intercepted: it is plain Keras. Evaluation and
-inference (`training=False`) use the moving statistics, as plain BN.
-
-`batch_norm="plain"` leaves BatchNormalization alone: M updates per step with
-micro-batch statistics. Micro-batch normalisation itself is the same in both
-modes (a pipeline cannot use the statistics of micro-batches that have not run
-yet), so with BatchNorm a pipelined step equals full-batch training only for
-M = 1. Layers with `renorm=True` are refused in deferred mode.
+With M micro-batches a BatchNormalization layer would apply M momentum
+updates per step from N / M rows each. With `batch_norm="deferred"` (the
+default; torchgpipe's `DeferredBatchNorm`) each call still normalises with
+its own micro-batch's moments (Keras' own code runs), but tfpipe records them
+(`Recorder`) and at the end of the step sets the moving statistics once from
+their value before the step and the merged moments of all M calls (`merge`,
+`commit`), as full-batch training would: once per call site. Replays never
+count. `batch_norm="plain"` leaves the layers alone; `renorm=True` is refused.
 """
 
 import contextlib
@@ -59,21 +34,19 @@ def check_layers(stages, batch_norm, num_replicas=1):
                 # update the moving statistics with them: not plain Keras on
                 # the global batch, and cross-replica moments are not built.
                 raise ValueError(
-                    f"Layer {layer.name!r} (stage {k}) is a BatchNormalization, and "
-                    f"the strategy has num_replicas={num_replicas} data-parallel "
-                    f"replicas: tfpipe does not compute batch statistics across "
-                    f"replicas, so training would differ from plain Keras. Use one "
-                    f"replica (num_replicas=1, a flat device list), or a model without "
-                    f"BatchNormalization (e.g. LayerNormalization).")
+                    f"Layer {layer.name!r} (stage {k}) is a BatchNormalization, and the strategy "
+                    f"has num_replicas={num_replicas} data-parallel replicas: tfpipe does not "
+                    f"compute batch statistics across replicas, so training would differ from "
+                    f"plain Keras. Use one replica (num_replicas=1, a flat device list), or a "
+                    f"model without BatchNormalization (e.g. LayerNormalization).")
     if batch_norm != "deferred":
         return
     for k, stage in enumerate(stages):
         for layer in batch_norm_layers(stage):
             if layer.renorm:
                 raise ValueError(
-                    f"Layer {layer.name!r} (stage {k}) uses renorm=True, which deferred "
-                    f"batch norm does not support; pass batch_norm='plain' to keep it "
-                    f"as Keras updates it.")
+                    f"Layer {layer.name!r} (stage {k}) uses renorm=True, which deferred batch norm "
+                    f"does not support; pass batch_norm='plain' to keep it as Keras updates it.")
 
 
 class Moments:
@@ -85,15 +58,13 @@ class Moments:
         self.layer, self.count, self.mean, self.variance = layer, count, mean, variance
 
 
-
 class Recorder:
     """Records a stage's BatchNormalization moments while its forward is traced.
 
-    `with recorder.forward(weight) as moments:` installs the interception on
-    the stage's BN layers; `moments` fills with one `Moments` per training BN
-    call, in call order, its count multiplied by `weight` (0 for a
-    micro-batch that stands in for an empty one). Inactive (plain mode, or
-    M = 1), it records nothing.
+    `with recorder.forward(weight) as moments:` fills `moments` with one
+    `Moments` per training BN call, in call order, its count multiplied by
+    `weight` (0 for a stand-in for an empty micro-batch). Inactive (plain
+    mode, or M = 1), it records nothing.
     """
 
     def __init__(self, stage, active):
@@ -127,10 +98,9 @@ def empty_microbatch_guard(batch):
     run time. Returns the assert op."""
     return tf.debugging.assert_greater_equal(
         batch.split.num_rows, batch.num_microbatches, message=(
-            f"a batch has fewer rows than num_microbatches="
-            f"{batch.num_microbatches}: with batch_norm='plain' the empty "
-            f"micro-batches would update BatchNormalization's moving statistics. "
-            f"Use batch_norm='deferred', or batches of at least "
+            f"a batch has fewer rows than num_microbatches={batch.num_microbatches}: with "
+            f"batch_norm='plain' the empty micro-batches would update BatchNormalization's moving "
+            f"statistics. Use batch_norm='deferred', or batches of at least "
             f"{batch.num_microbatches} rows (drop_remainder=True)."))
 
 
@@ -145,11 +115,8 @@ def _count(layer, inputs, mask):
 
 
 def merge(counts, means, variances):
-    """(mean, biased variance) of the union of M calls' elements.
-
-    Args: the calls' per-channel counts (M,) or (M, C), means and biased
-    variances (M, C), stacked along axis 0.
-    """
+    """(mean, biased variance) of the union of M calls' elements, from their
+    per-channel counts (M,) or (M, C), means and biased variances (M, C)."""
     counts = tf.broadcast_to(tf.reshape(counts, [tf.shape(counts)[0], -1]), tf.shape(means))
     total = tf.reduce_sum(counts, 0)
     # An empty micro-batch (N < M) has NaN moments and weight 0.
@@ -174,15 +141,9 @@ def stack_sites(per_microbatch):
 
 
 def commit(before, sites):
-    """Sets each layer's moving statistics once per call site of the step.
-
-    Args:
-      before: `Recorder.before_step()`.
-      sites: [(layer, counts, means, variances)], stacked over micro-batches,
-        in call-site order (`stack_sites`).
-    Returns:
-      The assign ops (to make later work wait for them).
-    """
+    """Sets each layer's moving statistics once per call site of the step,
+    from `before` (`Recorder.before_step()`) and `sites` (`stack_sites`, in
+    call-site order); returns the assign ops."""
     current = dict(before)
     layers = {}
     for layer, counts, means, variances in sites:

@@ -1,26 +1,13 @@
 """What crosses a stage boundary: tensors, and the Keras metadata riding on them.
 
-Keras keeps two facts on a tensor as hidden Python attributes: a mask
-(`Embedding(mask_zero=True)`, `Masking`; read by masked layers and by losses
-and metrics) and, on a softmax or sigmoid output, the logits it was computed
-from (read by crossentropy losses and metrics). Anything that makes a new
-tensor drops them: the `tf.identity` that orders a device's actions, a
-TensorArray in the loop step, a concatenation. So tfpipe makes them explicit
-where a stage's output leaves it:
-
-    stage k returns  values                       (any nest, batch on axis 0)
-    boundary k is    (values, masks, logits)      masks: a tuple with the mask
-                                                  of each masked leaf of values;
-                                                  logits: likewise
-
-and stage k + 1 attaches them back before its layers run (`unpack`). The
-logits are float tensors of the boundary like the values: a softmax output
-made in one stage and passed through later ones still reaches the loss as
-Keras gives it, logits and their gradient included (`float_leaves` of a
-boundary are what a stage's backward takes gradients for).
-Which leaves carry what is the same for every micro-batch; `probe` finds it
-once per traced step by tracing the stages on the micro-batch's shapes in a
-scratch graph (nothing runs).
+Keras keeps a mask (`Embedding(mask_zero=True)`, `Masking`) and, on a softmax
+or sigmoid output, its logits as hidden attributes of a tensor; any op that
+makes a new tensor (an identity, a TensorArray, a concat) drops them. So
+stage k's output `values` crosses as the boundary `(values, masks, logits)`
+(`pack`; masks and logits: one per leaf that carries one) and stage k + 1
+attaches them back (`unpack`). Logits are float leaves of the boundary, so a
+loss reaches them with their gradient. Which leaves carry what is found once
+per traced step by `probe`, which traces the stages in a scratch graph.
 """
 
 import contextlib
@@ -43,6 +30,8 @@ class Interface:
       with_logits: flat indices of leaves carrying softmax/sigmoid logits.
       logit_specs: `tf.TensorSpec` of each.
       call_losses: whether the stage adds losses while it runs.
+      inputs_connected, variables_connected, variables_sparse: see `probe`.
+      recorded: what `probe`'s `around_stage` yielded.
     """
 
     values: object
@@ -126,23 +115,16 @@ def probe(stages, inputs, training, extra=None, on_output=None, connectivity=Fal
     """Traces the stages once on `inputs`' shapes; returns their `Interface`s.
 
     Args:
-      stages: the K stage layers (built).
-      inputs: one micro-batch of stage 0's inputs (tensors; only their specs
-        are used).
-      training: the training flag the stages are traced with.
+      stages: the K built stage layers; inputs: one micro-batch of stage 0's
+        inputs (only their specs are used); training: the training flag.
       extra: optional nest of tensors (labels, sample weights) handed to
-        `on_output` as batch-None placeholders.
-      on_output: optional `on_output(y_pred, extra)`, called in the scratch
-        graph with the last stage's raw output (its metadata intact); it may
-        return the loss's scalar terms (for `connectivity`).
-      connectivity: also trace the backward pass and set each Interface's
-        `inputs_connected` (per float leaf of the stage's input boundary,
-        whether the loss reaches it) and `variables_connected` (per variable of
-        `stage.trainable_variables`).
-      around_stage: optional `around_stage(k)`, a context manager entered
-        around stage k's call; what it yields is kept as `Interface.recorded`.
-    Returns:
-      K `Interface`s.
+        `on_output(y_pred, extra)` as batch-None placeholders, with the last
+        stage's raw output; it may return the loss's scalar terms.
+      connectivity: also trace the backward and set each Interface's
+        `inputs_connected` (per float leaf of the input boundary: does the
+        loss reach it), `variables_connected` and `variables_sparse`.
+      around_stage: optional `around_stage(k)`, a context manager around
+        stage k's call; what it yields is kept as `Interface.recorded`.
     """
     interfaces = []
     specs = tf.nest.map_structure(batchless_spec, inputs)
@@ -151,12 +133,8 @@ def probe(stages, inputs, training, extra=None, on_output=None, connectivity=Fal
     def trace(x, more):
         packed, records = x, []
         for k, stage in enumerate(stages):
-            # A tape only when the backward pass is traced. Under a tape a
-            # while loop (a Keras LSTM or GRU) is traced with the functions
-            # its gradient needs: on a 2-core AMD EPYC a Bidirectional LSTM
-            # and GRU traced in 7-9 s under a tape and 0.8 s without (20
-            # library functions against 8), and the `wrappers` pattern's
-            # probe took 15 s against 2.
+            # A tape only when the backward is traced: under one, a while loop
+            # (an LSTM) also traces its gradient functions, several times slower.
             with (tf.GradientTape(persistent=True) if connectivity
                   else contextlib.nullcontext()) as tape:
                 sources = float_leaves(packed) if k and connectivity else []
@@ -202,6 +180,6 @@ def _connect(stages, interfaces, records):
         # (index dtype, one entry per distinct row) of each variable's
         # IndexedSlices gradient (a lookup), or None for a dense one.
         interfaces[k].variables_sparse = [
-            (g.indices.dtype, gradients_lib.gathers_unique_rows(g)) if isinstance(g, tf.IndexedSlices) else None
-            for g in grads[len(sources):]]
+            (g.indices.dtype, gradients_lib.gathers_unique_rows(g))
+            if isinstance(g, tf.IndexedSlices) else None for g in grads[len(sources):]]
         downstream = interfaces[k].inputs_connected

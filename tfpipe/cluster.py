@@ -1,36 +1,18 @@
 """Stages on other hosts: TensorFlow's own cluster runtime, one client.
 
 A pipeline whose stage k lives on `/job:worker/task:k` is trained by one
-client process (the one that calls `fit`). Each worker runs a
-`tf.distribute.Server` and nothing else; the client connects with
-`tf.config.experimental_connect_to_cluster`, after which the workers' devices
-take variables and ops like local ones (gradients included) and tfpipe's
-weights are bit-identical to the same pipeline on local logical CPUs.
+client process (the one that calls `fit`, itself `/job:localhost`, holding no
+stage). Each worker runs a `tf.distribute.Server` and nothing else; `connect`
+joins the client to them, after which their devices take variables and ops
+like local ones. `worker_devices` names the stage devices; `LocalCluster(n)`
+starts n workers on 127.0.0.1 for development and tests. A dead worker
+raises `UnavailableError` (`describe_unavailable` names it); a frozen one
+hangs the client (`tfpipe.StepWatchdog` ends it, using `probe_task`).
 
-    connect(cluster)       a ClusterSpec, a dict, a ClusterResolver, a
-                           LocalCluster or None (TF_CONFIG); returns the spec
-    worker_devices(spec)   ["/job:worker/task:k/device:CPU:0", ...]: stage k
-                           on task k
-    LocalCluster(n)        n worker processes on 127.0.0.1, for development
-                           and tests; a context manager that always ends them
-
-The client itself is `/job:localhost` (TensorFlow's default) and holds no
-stage: `PipelineStrategy()` on a connected client refuses its default device
-list and names this module's `worker_devices` (see `tfpipe.strategy`).
-
-A frozen worker (a hung host, a partition) makes the client wait forever; a
-dead one raises `UnavailableError` at once. `tfpipe.StepWatchdog` turns the
-first into an exit naming the task, and `describe_unavailable` the second
-into a message naming it.
-
-Run as a program this file is one worker: it starts its server, prints
-`READY <port>` and serves until its time limit passes, its parent process
-goes away, or it is killed. On each host of a real cluster:
-`TF_CONFIG=... python -m tfpipe.cluster --worker` (the cluster and the
-host's task index from TF_CONFIG). `LocalCluster` starts its workers as
-`python -P tfpipe/cluster.py --worker ...`, which skips importing the rest
-of tfpipe (and Keras); `-P` keeps `tfpipe/` off `sys.path` (its `profile.py`
-would shadow the standard library's).
+Run as a program this file is one worker (`TF_CONFIG=... python -m
+tfpipe.cluster --worker` on each host). `LocalCluster` runs it with `python
+-P`, which keeps `tfpipe/` (whose `profile.py` would shadow the standard
+library's) off `sys.path` and skips importing the rest of tfpipe.
 """
 
 import argparse
@@ -52,22 +34,11 @@ _connected = None  # the ClusterSpec of the last connect(), for StepWatchdog's d
 _running = set()  # the started LocalClusters of this process, for kill_local_workers
 
 
-# -- connecting -------------------------------------------------------------------
-
-
 def cluster_spec(cluster=None):
-    """The `tf.train.ClusterSpec` of `cluster`.
-
-    Args:
-      cluster: a `tf.train.ClusterSpec`; a dict {job: [address, ...]}; a
-        `tf.distribute.cluster_resolver.ClusterResolver`; a `LocalCluster`;
-        the string "tf_config"; or None, which reads the TF_CONFIG
-        environment variable ({"cluster": {"worker": ["host:port", ...]}}).
-
-    Raises:
-      ValueError: `cluster` is none of these, TF_CONFIG is unset or names no
-        `worker` job.
-    """
+    """The `tf.train.ClusterSpec` of `cluster`: a ClusterSpec, a dict {job:
+    [address, ...]}, a `ClusterResolver`, a `LocalCluster`, or "tf_config" or
+    None (the TF_CONFIG environment variable). Raises ValueError for anything
+    else, or a cluster without a `worker` job."""
     if cluster is None or cluster == "tf_config":
         if not os.environ.get("TF_CONFIG"):
             raise ValueError(
@@ -97,12 +68,9 @@ def cluster_spec(cluster=None):
 
 
 def connect(cluster=None):
-    """Connects this process, as the single client, to `cluster`'s workers.
-
-    Must run before the first TensorFlow op that should see them. Returns
-    the `tf.train.ClusterSpec` (see `cluster_spec` for what `cluster` may be).
-    Connecting again to the same spec is a no-op for TensorFlow.
-    """
+    """Connects this process, as the single client, to `cluster`'s workers
+    (`cluster_spec` says what it may be); returns the `tf.train.ClusterSpec`.
+    Must run before the first TensorFlow op that should see them."""
     global _connected
     spec = cluster_spec(cluster)
     tf.config.experimental_connect_to_cluster(spec)
@@ -139,19 +107,15 @@ def describe_unavailable(error, cluster=None, probe_timeout_s=2.0):
     said = next((line for line in lines if any(
         word in line for word in ("Connection", "Socket", "connect", "grpc_message"))),
         type(error).__name__)[:300]
-    states = {task: probe_task(address, probe_timeout_s)
-              for task, address in addresses.items()}
+    states = {task: probe_task(address, probe_timeout_s) for task, address in addresses.items()}
     lost = {t: s for t, s in states.items() if s != "ok"}
     if not lost:
         return (f"a worker was unreachable ({said}), but every "
                 f"task answers now ({', '.join(addresses)}); run again.")
     named = "; ".join(f"{t} ({addresses[t]}) {MEANING[s]}" for t, s in lost.items())
-    return (f"lost a worker: {named}. TensorFlow said: {said} "
-            f"Restart that worker and continue from the last checkpoint (launch.train: "
-            f"--resume).")
+    return (f"lost a worker: {named}. TensorFlow said: {said} Restart that worker and continue "
+            f"from the last checkpoint (launch.train: --resume).")
 
-
-# -- probing a task's port ---------------------------------------------------------
 
 # RFC 9113 section 3.4: the client's connection preface, then its (empty)
 # SETTINGS frame. A live HTTP/2 server (gRPC) must answer with a SETTINGS frame.
@@ -204,8 +168,7 @@ def probe_tasks(addresses, timeout_s=2.0):
     def run(task, address):
         states[task] = probe_task(address, timeout_s)
 
-    threads = [threading.Thread(target=run, args=item, daemon=True)
-               for item in addresses.items()]
+    threads = [threading.Thread(target=run, args=item, daemon=True) for item in addresses.items()]
     for t in threads:
         t.start()
     for t in threads:
@@ -217,9 +180,6 @@ def probe_tasks(addresses, timeout_s=2.0):
 MEANING = {"silent": "accepts connections but does not answer: the process is stopped "
                       "or its host is hung",
             "dead": "refuses connections: the process is gone"}
-
-
-# -- a local cluster of worker processes --------------------------------------------
 
 
 def _free_ports(n):
@@ -240,23 +200,17 @@ def _free_ports(n):
 class LocalCluster:
     """`num_workers` TensorFlow worker processes on 127.0.0.1, one job "worker".
 
-    Each worker is `python -P tfpipe/cluster.py --worker` in its own process
-    group, serving a `tf.distribute.Server` on a port the kernel picked (bind
-    port 0). A worker ends by itself when `time_limit_s` passes or its parent
-    (this process) goes away, so none outlives a crashed test. Leaving the
-    `with` block (also on an exception) kills every worker's process group
-    with SIGKILL (which also ends a SIGSTOPped one) and reaps it, each wait
-    bounded.
+    Each worker runs in its own process group on a port the kernel picked,
+    and ends by itself when `time_limit_s` passes or this process goes away.
+    Leaving the `with` block kills every worker's group (SIGKILL, which also
+    ends a SIGSTOPped one) and reaps it, each wait bounded.
 
     >>> with tfpipe.cluster.LocalCluster(2) as cluster:   # doctest: +SKIP
     ...     tfpipe.cluster.connect(cluster)
     ...     strategy = tfpipe.PipelineStrategy(devices=cluster.worker_devices())
 
-    Args:
-      num_workers: worker processes (>= 1).
-      time_limit_s: seconds after which each worker exits by itself.
-      start_timeout_s: seconds to wait for all workers to serve; past it, a
-        RuntimeError with each worker's output.
+    `start_timeout_s`: seconds to wait for all workers to serve; past it, a
+    RuntimeError with each worker's output.
     """
 
     def __init__(self, num_workers, time_limit_s=900.0, start_timeout_s=120.0):
@@ -268,8 +222,6 @@ class LocalCluster:
         self.start_timeout_s = float(start_timeout_s)
         self._procs = []
         self._spec = None
-
-    # The context manager ---------------------------------------------------------
 
     def __enter__(self):
         self.start()
@@ -337,8 +289,6 @@ class LocalCluster:
         except Exception:  # pylint: disable=broad-except
             pass
 
-    # What it is ---------------------------------------------------------------------
-
     @property
     def cluster_spec(self):
         """The `tf.train.ClusterSpec` {"worker": ["127.0.0.1:port", ...]}."""
@@ -366,11 +316,9 @@ class LocalCluster:
 
 def kill_local_workers():
     """Sends SIGKILL to the workers of every started `LocalCluster` of this
-    process, waiting for nothing. `StepWatchdog` calls it right before
-    `os._exit` (which runs no atexit handler): a SIGSTOPped worker cannot
-    notice its parent is gone, so it must be killed. No call in here releases
-    the GIL, so the blocked main thread cannot react to the dying workers
-    before the exit."""
+    process, waiting for nothing: `StepWatchdog` calls it right before
+    `os._exit` (which runs no atexit handler), and a SIGSTOPped worker cannot
+    notice its parent is gone."""
     for local in list(_running):
         for pid in local.pids:
             try:
@@ -410,9 +358,6 @@ class _OutputReader:
                 time.monotonic() < deadline):
             time.sleep(0.1)
         return "".join(self.lines)
-
-
-# -- the worker process -----------------------------------------------------------------
 
 
 def _serve(cluster, task, time_limit_s, parent):

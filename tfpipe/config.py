@@ -1,26 +1,15 @@
 """`PipelineConfig`: the one owner of how a pipelined model runs.
 
-A `PipelinedModel` has exactly one configuration: the number of
-micro-batches M, the schedule, the recompute policy, the execution form and
-the BatchNorm mode. Everything that needs one of them (the engine, deferred
-BatchNorm, the batch-size checks, the summary) reads it from the model's
-config when it traces a step; no layer stores a copy. The config is saved
-with the model (`get_config`) and restored on load.
-
-Where each setting comes from, in order: the argument given to
-`PipelinedModel(...)`/`from_model(...)`; else the `PipelineStrategy` in scope.
-When a saved model is loaded, its saved settings are used, except those the
-`PipelineStrategy` in scope was given explicitly (e.g.
-`PipelineStrategy(num_microbatches=4)`), which win: M, the schedule and the
-recompute policy change speed and memory, never the trained weights (with
-BatchNorm, M sets the micro-batch the normalisation sees).
-
-An execution nobody gives is chosen from M and the schedule
-(`default_execution`) every time a config is made, and saved as unset, so a
-model loaded at another M gets that M's choice. What an execution can do is
-data (`Execution`, `EXECUTIONS`): the engine and the runtime read its traits,
-never its name. Pure Python: `launch/` validates its flags with these rules
-before TensorFlow starts.
+A `PipelinedModel` has exactly one configuration: M, the schedule, the
+recompute policy, the execution and the BatchNorm mode. Everything that needs
+one reads it from the model's config when it traces a step; no layer stores a
+copy. Each setting comes from the argument given to the model, else from the
+`PipelineStrategy` in scope; a loaded model keeps its saved settings except
+those the strategy in scope was given explicitly. An execution nobody gives
+is chosen per config (`default_execution`) and saved as unset. What an
+execution can do is data (`Execution`, `EXECUTIONS`): the runtime reads its
+traits, never its name. Pure Python: `launch/` checks its flags with these
+rules before TensorFlow starts.
 """
 
 import dataclasses
@@ -32,22 +21,18 @@ FIELDS = ("num_microbatches", "schedule", "recompute", "execution", "batch_norm"
 
 @dataclasses.dataclass(frozen=True)
 class Execution:
-    """What one way of running a step can do; the runtime reads these traits.
+    """What one way of running a step can do (`name`, the `recompute_modes`
+    it runs, its `default_recompute`); the runtime reads these traits.
 
     Attributes:
-      name: "unrolled", "stage_functions" or "loop".
-      recompute_modes: the recompute modes it can run.
-      default_recompute: the mode of a config that gives none.
       stage_functions: each stage is traced once per step as a `tf.function`
         that every action calls (`tfpipe.stage.StageFunction`).
       holds_weight_gradients: a split backward's W can run apart from its I;
-        where not, I and W are lowered into one B
-        (`tfpipe.actions.merge_split_backward`).
+        where not, I and W are lowered into one B (`merge_split_backward`).
       holds_ops_in_graph: a split backward is built whole at I and its
         weight-only ops held back to W's place; where not, I and W each
         replay the stage.
       in_loop: the actions run inside one `tf.while_loop`.
-      description: for the error that lists the executions.
     """
 
     name: str
@@ -80,24 +65,18 @@ def execution(name):
     """The `Execution` named `name`; a ValueError naming the choices otherwise."""
     if name not in EXECUTIONS:
         raise ValueError(
-            f"Unknown execution {name!r}. Use 'unrolled' (every action traced; "
-            f"all recompute modes), 'stage_functions' (every action called, each stage "
-            f"traced once as a tf.function; all recompute modes) or 'loop' (a "
-            f"tf.while_loop over clock ticks; graph size independent of "
-            f"num_microbatches; recompute='always'), or leave it unset (None) for "
-            f"tfpipe's choice (tfpipe.config.default_execution)."
-        )
+            f"Unknown execution {name!r}. Use 'unrolled' (every action traced; all recompute "
+            f"modes), 'stage_functions' (every action called, each stage traced once as a "
+            f"tf.function; all recompute modes) or 'loop' (a tf.while_loop over clock ticks; graph "
+            f"size independent of num_microbatches; recompute='always'), or leave it unset (None) "
+            f"for tfpipe's choice (tfpipe.config.default_execution).")
     return EXECUTIONS[name]
 
 
 def resolve_recompute(mode, execution_name, spell=schedules.ARGUMENTS):
-    """The recompute mode to use: `mode`, or the default for the execution.
-
-    The unrolled step (with or without stage functions) defaults to
-    "except_last"; the loop form keeps only stage inputs, so it is always
-    "always" (and rejects other modes). `spell`: how the caller names its
-    settings in the error (`tfpipe.schedules.Spelling`).
-    """
+    """The recompute mode to use: `mode`, or the execution's default; raises
+    if the execution cannot run `mode` (the loop only runs "always"). `spell`
+    names the settings in the error (`tfpipe.schedules.Spelling`)."""
     traits = execution(execution_name)
     if mode is None:
         return traits.default_recompute
@@ -108,8 +87,7 @@ def resolve_recompute(mode, execution_name, spell=schedules.ARGUMENTS):
             f"{spell('execution', traits.name)} keeps only the stage inputs and recomputes "
             f"every stage in the backward pass, so it needs {spell('recompute', need)} "
             f"(or {spell.unset}); got {spell('recompute', mode)}. Use "
-            f"{spell('execution', 'unrolled')} for {mode!r}."
-        )
+            f"{spell('execution', 'unrolled')} for {mode!r}.")
     return mode
 
 
@@ -117,20 +95,16 @@ def validate_batch_norm(batch_norm):
     """Returns `batch_norm` if it names a mode, else raises ValueError."""
     if batch_norm not in BATCH_NORM_MODES:
         raise ValueError(
-            f"Unknown batch_norm {batch_norm!r}. Use 'deferred' (moving statistics "
-            f"updated once per mini-batch with its statistics, as full-batch "
-            f"training) or 'plain' (keep BatchNormalization as it is: M updates per "
-            f"step)."
-        )
+            f"Unknown batch_norm {batch_norm!r}. Use 'deferred' (moving statistics updated once "
+            f"per mini-batch with its statistics, as full-batch training) or 'plain' (keep "
+            f"BatchNormalization as it is: M updates per step).")
     return batch_norm
 
 
 def validate_num_microbatches(num_microbatches):
     if (isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
             or num_microbatches < 1):
-        raise ValueError(
-            f"num_microbatches must be a positive integer, got {num_microbatches!r}."
-        )
+        raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}.")
     return num_microbatches
 
 
@@ -141,23 +115,11 @@ STAGE_FUNCTIONS_FROM_MICROBATCHES = 8
 def default_execution(num_microbatches, schedule):
     """The execution of a config that was given none: "unrolled" or "stage_functions".
 
-    The trade, measured in BUILD.md ("Which to choose"): the unrolled form
-    inlines every action, so its trace and graph optimisation grow with M
-    (MobileNetV2 on 4 stages waits 0.6x plain Keras' time for its first step
-    at M=1 and 4.2x at M=8), and its steps are the fastest; stage functions
-    trace each stage once (1.3x plain at M=8; 2.4-3.2x plain Keras whose optimizer
-    is built before `fit`, so that its first fit traces once), and their steps
-    take about 5-8% longer on that model's 4-image micro-batches (no longer on
-    256-row ones).
-    From M = `STAGE_FUNCTIONS_FROM_MICROBATCHES` on, the wait is taken as the
-    larger cost, so stage functions. A schedule that splits the
-    backward (ZB-H1, ZB-V) stays unrolled whatever M: only there is each W held
-    apart from its I, which is what such a schedule is for. The loop form is
-    never chosen: it needs recompute="always" and its steps are slower.
-
-    Args:
-      num_microbatches: M, a positive int.
-      schedule: a `tfpipe.schedules.Schedule`.
+    The unrolled form has the fastest steps but its trace grows with M; stage
+    functions trace each stage once, so from M = `STAGE_FUNCTIONS_FROM_MICROBATCHES`
+    on they are chosen (BUILD.md, "Which to choose"). A schedule that splits
+    the backward (ZB-H1, ZB-V) stays unrolled: only there is each W held apart
+    from its I. The loop form (recompute="always", slower steps) is never chosen.
     """
     if schedule.splits_backward or num_microbatches < STAGE_FUNCTIONS_FROM_MICROBATCHES:
         return "unrolled"
@@ -166,16 +128,10 @@ def default_execution(num_microbatches, schedule):
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """How a pipeline runs. Build it with `PipelineConfig.make`, which checks.
-
-    Attributes:
-      num_microbatches: M, micro-batches per mini-batch.
-      schedule: a `tfpipe.schedules.Schedule`.
-      recompute: "always", "except_last" or "never".
-      execution: "unrolled", "stage_functions" or "loop".
-      batch_norm: "deferred" or "plain" (`tfpipe.batchnorm`).
-      execution_chosen: whether tfpipe chose `execution` (`default_execution`)
-        because none was given; `settings` and `to_json` then leave it unset.
+    """How a pipeline runs: M, a `Schedule`, and the recompute, execution and
+    batch_norm modes. Build it with `PipelineConfig.make`, which checks.
+    `execution_chosen`: tfpipe chose the execution (`default_execution`), so
+    `settings` and `to_json` leave it unset.
     """
 
     num_microbatches: int = 1

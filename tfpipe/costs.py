@@ -1,20 +1,9 @@
 """Per-unit costs of a model, measured once on sample batches.
 
-A model is a list of units (`tfpipe.graph`: a layer or raw-op call each).
-`measure` runs the model's own layers on a sample batch, in training mode, on
-the default device, and puts every variable back afterwards (BatchNorm
-statistics, seeds). Per unit it gives what balancing (`tfpipe.partition`)
-and planning (`tfpipe.planner`) read:
-
-* parameters and their bytes (each variable on the first unit using it),
-  and the bytes of its outputs (what a stage keeps without recompute);
-* with `times`: its forward and its forward + backward as two small
-  `tf.function`s, the fastest of `repeats` runs each, at every sample's
-  row count, so time = fixed + per-row cost (`UnitCost.forward`) can be
-  predicted for any micro-batch size;
-* with `backward`: the tensors its backward keeps from its forward, read
-  from the traced forward + backward graph (every floating-point tensor made
-  by the forward, or given to it, that a gradient op reads, counted once).
+`measure` runs the model's own layers (`tfpipe.graph` units) on sample
+batches in training mode and puts every variable back. Per unit it gives what
+`tfpipe.partition` and `tfpipe.planner` read: parameter and output bytes,
+what its backward keeps, and forward and backward times as fixed + per-row.
 """
 
 import dataclasses
@@ -59,11 +48,7 @@ class UnitCost:
 
 
 def sample_batch(model_or_graph, batch_size=DEFAULT_SAMPLE_BATCH, seed=0):
-    """A random batch shaped like the model's inputs (floats ~ N(0, 1), ints 0).
-
-    Used by `from_model(balance="time" | "memory")` when no `sample=` is given,
-    and by the planner at its micro-batch sizes.
-    """
+    """A random batch shaped like the model's inputs (floats ~ N(0, 1), ints 0)."""
     graph = graph_lib.as_graph(model_or_graph)
     rng = np.random.default_rng(seed)
 
@@ -72,8 +57,7 @@ def sample_batch(model_or_graph, batch_size=DEFAULT_SAMPLE_BATCH, seed=0):
         if shape is None or any(d is None for d in shape[1:]):
             raise ValueError(
                 f"Cannot make a sample batch for {graph.model.name!r}: input shape "
-                f"{shape} is not fully known. Pass sample=<a batch of inputs>."
-            )
+                f"{shape} is not fully known. Pass sample=<a batch of inputs>.")
         shape = (batch_size,) + tuple(shape[1:])
         if "float" in dtype:
             return tf.constant(rng.normal(size=shape).astype(dtype))
@@ -201,15 +185,10 @@ def _best_time(fn, args, repeats):
 def measure(model_or_graph, samples, repeats=2, times=True, backward=True):
     """Measures every unit of a model on one or more sample batches.
 
-    Args:
-      model_or_graph: a Keras model or its `tfpipe.graph.Graph`.
-      samples: a list of input batches (nests like the model's inputs); bytes
-        are at the first's rows, times are fitted over all of them.
-      repeats: timed runs per function (the fastest counts).
-      times: time each unit's forward and backward (needs `backward`).
-      backward: trace each unit's backward, to read what it keeps.
-    Returns:
-      (a `UnitCost` per unit, {graph tensor id: bytes at the first's rows}).
+    `model_or_graph`: a Keras model or its `tfpipe.graph.Graph`; `samples`:
+    input batches (bytes at the first's rows, times fitted over all); with
+    `times` (needs `backward`), the fastest of `repeats` runs. Returns (a
+    `UnitCost` per unit, {graph tensor id: bytes at the first's rows}).
     """
     graph = graph_lib.as_graph(model_or_graph)
     owner, units = set(), []

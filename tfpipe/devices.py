@@ -1,34 +1,19 @@
 """Where a stage runs: one object for every kind of device.
 
-Every place tfpipe puts a stage's variables or ops (building the stages, each
-action of a step in every execution, the loss, the deferred BatchNorm update)
-enters a `StageDevice`'s `scope()`; the engine turns the strategy's device
-names into `StageDevice`s (`as_stage_device`), so a new kind of device is
-one class here, not a branch elsewhere:
-
-  `StageDevice(name)`: a CPU, a GPU or a remote task's device, as
-    `tfpipe.placement.canonical_device` resolved it; the scope is
-    `tf.device(name)`;
-  `LogicalCore(strategy, k)` is logical core k of each replica of a `tf.distribute.TPUStrategy`;
-    its scope is `strategy.extended.experimental_logical_device(k)`, which
-    places variables (a TPU-mirrored variable over the replicas, on core k)
-    and, inside `strategy.run`, ops (`tf.device(tpu.core(k))`). Logical core k
-    is not `/device:TPU:k` (see `tfpipe.tpu.stage_cores`), so tfpipe never
-    writes TPU device strings.
-
-`LogicalCore` has not run on TPU hardware (there is none here); on CPU it is
-only constructed and named.
+Every place tfpipe puts a stage's variables or ops enters a `StageDevice`'s
+`scope()`, so a new kind of device is one class here, not a branch
+elsewhere: `StageDevice(name)` (a CPU, GPU or remote task's device; scope
+`tf.device(name)`) and `LogicalCore(strategy, k)`, logical core k of each
+replica of a TPUStrategy (scope `strategy.extended.experimental_logical_device(k)`;
+tfpipe never writes TPU device strings). `LogicalCore` has not run on a TPU.
 """
 
 import tensorflow as tf
 
 
 class StageDevice:
-    """A device a stage runs on. Subclasses set `name` and define `scope()`.
-
-    Args:
-      name: a device name string (`tf.device` takes it).
-    """
+    """A device a stage runs on, by its device `name` (`tf.device` takes it);
+    subclasses define `scope()`."""
 
     def __init__(self, name):
         if not isinstance(name, str) or not name:
@@ -53,13 +38,8 @@ class StageDevice:
 
 
 class LogicalCore(StageDevice):
-    """Logical core `index` of every replica of a `tf.distribute.TPUStrategy`.
-
-    Args:
-      strategy: the TPUStrategy (its device assignment has at least
-        `index + 1` cores per replica).
-      index: the logical core, 0-based.
-    """
+    """Logical core `index` (0-based) of every replica of a
+    `tf.distribute.TPUStrategy`."""
 
     def __init__(self, strategy, index):
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
@@ -68,8 +48,7 @@ class LogicalCore(StageDevice):
         self.strategy, self.index = strategy, index
 
     def scope(self):
-        # Untested on hardware: TensorFlow's own API for model parallelism on
-        # TPU; it raises a ValueError for an index past the replica's cores.
+        # Untested on hardware; raises a ValueError past the replica's cores.
         return self.strategy.extended.experimental_logical_device(self.index)
 
     def __eq__(self, other):

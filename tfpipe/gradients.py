@@ -1,13 +1,10 @@
 """Summing one variable's gradients over micro-batches and stages, exactly.
 
-Dense gradients add. An embedding lookup's gradient is an `IndexedSlices`,
-one row per lookup; full-batch training hands the optimizer all those rows,
-and Keras' optimizers treat repeated rows differently from their sum (Adam's
-second moment sees each row's square), so micro-batch slices are
-concatenated, never densified or summed. Some ops deduplicate their rows
-within a batch first (`tf.nn.embedding_lookup_sparse`, which Keras uses to
-multiply a SparseTensor by a kernel): their full-batch gradient has each row
-once, so micro-batch slices are merged row by row (`merge_rows`).
+Dense gradients add. An embedding lookup's gradient is an `IndexedSlices`
+with one row per lookup, and Keras' optimizers treat repeated rows
+differently from their sum (Adam's second moment), so micro-batch slices are
+concatenated, never densified or summed; those of ops that deduplicate rows
+within a batch (`tf.nn.embedding_lookup_sparse`) are merged row by row.
 """
 
 import tensorflow as tf
@@ -39,13 +36,7 @@ _PASS_THROUGH = ("Identity", "Reshape", "Cast", "Squeeze", "ExpandDims", "Stride
 
 def gathers_unique_rows(grad):
     """Whether an IndexedSlices gradient has one entry per distinct row by
-    construction (its indices come from a `tf.unique`, as in
-    `tf.nn.embedding_lookup_sparse`, which Keras' sparse matmul uses).
-
-    Full-batch training then hands the optimizer each row once, so the
-    micro-batches' slices must be merged row by row (`merge_rows`); a plain
-    lookup (`Embedding`) has one entry per lookup, which concatenation keeps.
-    Keras' Adam treats repeated rows differently from their sum, hence the care.
+    construction (its indices come from a `tf.unique`; then `merge_rows`).
 
     The search follows the indices into function calls and back out of their
     arguments: under execution="stage_functions" a stage's gradient is an
@@ -93,11 +84,9 @@ def scale_gradient(grad, factor):
 
 
 def add_regularization(variables, grads, scale, scope_of):
-    """Adds each weight regulariser's gradient to `grads` (in place), once per
-    step, under `scope_of(i)` (variable i's home stage); returns the summed
-    regularisation loss (float32 scalar, None without regularisers). With R
-    data-parallel replicas each adds 1/R of it (their gradients are summed).
-    `scale` is the loss scale (Keras' `optimizer.scale_loss` of 1)."""
+    """Adds each weight regulariser's gradient, times the loss `scale`, to
+    `grads` (in place) under `scope_of(i)`; returns the summed regularisation
+    loss (float32 scalar, or None). Each of R replicas adds 1/R of it."""
     total = []
     share = 1.0 / replicas.num_replicas()
     scale = scale * share
@@ -117,10 +106,8 @@ def add_regularization(variables, grads, scale, scope_of):
 def check_reached(table, grads, stage_names, model_name):
     """Raises ValueError naming every trainable variable no gradient reached.
 
-    Args:
-      table: the step's `tfpipe.step_plan.VariableTable`; grads: one
-        gradient per its variable (None: unreached).
-      stage_names: the stages' names; model_name: the model's.
+    `table`: the step's `tfpipe.step_plan.VariableTable`; `grads`: one
+    gradient (or None) per its variable.
     """
     missing = {}
     for i, (v, g) in enumerate(zip(table.variables, grads)):
@@ -131,9 +118,8 @@ def check_reached(table, grads, stage_names, model_name):
     where = "; ".join(f"stage {k} ({stage_names[k]!r}): {paths}"
                       for k, paths in sorted(missing.items()))
     raise ValueError(
-        f"No gradient reaches {sum(len(p) for p in missing.values())} trainable "
-        f"variable(s) in a training step of {model_name!r}: {where}. Keras would "
-        f"only warn and leave them unchanged; tfpipe stops rather than train "
-        f"silently wrong. If they should stay fixed, set trainable=False on their "
-        f"layers before compile; otherwise make the loss depend on them (a loss "
-        f"for every output they feed, no stop_gradient on the way).")
+        f"No gradient reaches {sum(len(p) for p in missing.values())} trainable variable(s) in a "
+        f"training step of {model_name!r}: {where}. Keras would only warn and leave them "
+        f"unchanged; tfpipe stops rather than train silently wrong. If they should stay fixed, set "
+        f"trainable=False on their layers before compile; otherwise make the loss depend on them "
+        f"(a loss for every output they feed, no stop_gradient on the way).")

@@ -1,45 +1,22 @@
 """The compiled Keras loss, split exactly over micro-batches.
 
-Keras reduces each compiled loss over the whole batch:
+Keras reduces each compiled loss j over the whole batch as
+L_j = sum_e (l_e * w_e) / D_j, where w_e merges the sample weight and any
+Keras mask, and D_j is 1 ("sum"), the element count, the *valid* element
+count under a mask, or the summed sample weights ("mean_with_sample_weight").
+Averaging each micro-batch's own Keras loss is wrong under a mask, so each
+micro-batch m contributes its numerator S_jm and divisor part D_jm, and
+L_j = (sum_m S_jm) / (sum_m D_jm) is exactly Keras' value; micro-batch m's
+gradient is seeded with weight_j / D_j.
 
-    L_j = sum_e (l_e * w_e) / D_j           (reduction "sum_over_batch_size", "mean")
-    L_j = sum_e (l_e * w_e)                 (reduction "sum")
-    total = sum_j weight_j * L_j + stage losses
-
-where e runs over the loss's elements (rows, or rows x tokens), w_e merges the
-sample weight and any Keras mask (on the output, from `Embedding(mask_zero=True)`
-and the like, or from the loss itself, e.g. `ignore_class`), and the divisor
-D_j is the number of elements, the number of *valid* elements when there is a
-mask, or the summed sample weights ("mean_with_sample_weight"). Averaging each
-micro-batch's own Keras loss is therefore wrong as soon as there is a mask:
-each micro-batch would be divided by its own valid count. Here each micro-batch
-contributes its numerator S_jm = sum_{e in m} l_e * w_e and its divisor part
-D_jm, and
-
-    L_j = (sum_m S_jm) / (sum_m D_jm)
-
-is exactly Keras' value; the gradient of micro-batch m is seeded with
-weight_j / D_j. D_j must be known before the first backward of the last stage:
-
-* "rows" terms (no mask, a loss with one value per row or per row and fixed
-  trailing dimensions) have D_j = N * elements per row, known at once;
-* "counted" terms (a mask, or weights as divisor) know D_j only when every
-  micro-batch has been through the last stage. A schedule that runs every
-  forward of the last stage before its first backward (GPipe) seeds them
-  exactly. Under other schedules (1F1B, interleaved) a single counted term
-  without per-call stage losses is still exact: its micro-batches are seeded
-  with weight_j and every gradient is divided by D_j once at the end
-  (`Plan.final_scale`); other combinations raise a `ValueError` before any
-  step runs.
-
-Stage losses: weight regularisers depend only on the weights and are added
-once per step (`regularization_loss`); losses a layer adds while it runs
-(activity regularisers, `add_loss`) are taken to be means over the
-micro-batch's rows, as Keras' activity regulariser is, and weighted by the
-micro-batch's share of the batch.
-
-A loss function that returns one number for its whole batch (rank 0) cannot
-be split: it raises a `ValueError` that says to return per-sample values.
+D_j must be known before the last stage's first backward. "rows" terms (no
+mask) know it at once; "counted" terms only after every forward, so only
+GPipe seeds them exactly, except a single counted term without call losses,
+seeded with weight_j and divided by D_j at the end (`Plan.final_scale`);
+other combinations raise a `ValueError` before any step runs. Weight
+regularisers are added once per step; call losses (activity regularisers,
+`add_loss`) are taken as means over the micro-batch's rows and weighted by its
+share of the batch. A loss returning one number per batch (rank 0) raises.
 """
 
 import math
@@ -62,8 +39,8 @@ class Term:
 
     def __init__(self, path, loss, weight, name):
         self.path, self.loss, self.weight, self.name = tuple(path), loss, weight, name
-        self.kind = None          # SUM, ROWS or COUNTED, set by `LossSplit.classify`
-        self.per_row = None       # elements per row (ROWS)
+        self.kind = None  # SUM, ROWS or COUNTED, set by `LossSplit.classify`
+        self.per_row = None  # elements per row (ROWS)
 
     def describe(self):
         return getattr(self.loss, "name", None) or type(self.loss).__name__
@@ -107,19 +84,15 @@ def _reconcile(compile_loss, y_true, y_pred):
             placed[i] = t
         return tree.pack_sequence_as(y_pred, placed), y_pred
     raise ValueError(
-            f"The labels do not match the model's outputs: y has structure "
-            f"{tree.map_structure(lambda _: '*', y_true)} but the outputs are "
-            f"{tree.map_structure(lambda _: '*', y_pred)}. Pass one label per output "
-            f"(a list in output order, or a dict keyed by output name).")
+        f"The labels do not match the model's outputs: y has structure "
+        f"{tree.map_structure(lambda _: '*', y_true)} but the outputs are "
+        f"{tree.map_structure(lambda _: '*', y_pred)}. Pass one label per output "
+        f"(a list in output order, or a dict keyed by output name).")
 
 
 class LossSplit:
-    """A model's compiled loss as per-micro-batch numerators and divisors.
-
-    Args:
-      compile_loss: the model's Keras `CompileLoss` (`model._compile_loss`),
-        or None (no compiled loss: only stage losses).
-    """
+    """A model's compiled loss (its Keras `CompileLoss`, or None: only stage
+    losses) as per-micro-batch numerators and divisors."""
 
     def __init__(self, compile_loss):
         self._keras_loss = compile_loss
@@ -174,11 +147,9 @@ class LossSplit:
         return y_true, y_pred, sample_weight
 
     def parts(self, y_true, y_pred, sample_weight):
-        """Per term, (numerator S, divisor part D) of one micro-batch.
-
-        `y_pred` must be the last stage's output itself (Keras' masks and
-        softmax/sigmoid logits ride on it). D is None for "sum" terms.
-        """
+        """Per term, (numerator S, divisor part D, elements per row) of one
+        micro-batch; D is None for "sum" terms. `y_pred` must be the last
+        stage's output itself (Keras' masks and logits ride on it)."""
         if not self.terms:
             return []
         y_true, y_pred, sample_weight = self.arrange(y_true, y_pred, sample_weight)
@@ -193,8 +164,7 @@ class LossSplit:
 
     def batch_values(self, y_true, y_pred, sample_weight):
         """(total data loss, [L_j]) of a whole batch in one piece, as Keras
-        computes it (evaluation: no micro-batch split is needed). With
-        data-parallel replicas: this replica's share of the global batch's."""
+        computes it (evaluation); with replicas, this replica's share."""
         self.build(y_true, y_pred)
         per_term, total = [], tf.zeros((), tf.float32)
         for term, (s, d, _) in zip(self.terms, self.parts(y_true, y_pred, sample_weight)):
@@ -296,18 +266,13 @@ class Plan:
     """How one step seeds the last stage's backward, and what it reports.
 
     Args:
-      split: the `LossSplit`, built and classified.
-      num_rows: N, the rows of the global batch (int32 scalar tensor; with
-        data-parallel replicas each step holds a share of them).
-      forwards_first: whether the schedule runs every forward of the last
-        stage before its first backward (GPipe does).
-      call_losses: whether any stage adds losses while it runs.
-      in_loop: whether the backward passes are traced inside a
-        `tf.while_loop` (the loop execution), where a count cannot be summed
-        over data-parallel replicas.
-
-    Raises:
-      ValueError: a counted term cannot be seeded exactly under this schedule.
+      split: the `LossSplit`, built and classified; num_rows: N, the global
+        batch's rows (int32 scalar tensor).
+      forwards_first: the schedule runs every forward of the last stage
+        before its first backward (GPipe does); call_losses: a stage adds
+        losses while it runs; in_loop: the backwards run in a
+        `tf.while_loop`, where a count cannot be summed over replicas.
+    Raises ValueError if a counted term cannot be seeded exactly.
     """
 
     def __init__(self, split, num_rows, forwards_first, call_losses, in_loop=False):
@@ -322,6 +287,8 @@ class Plan:
         self.deferred = bool(counted) and late
         if self.deferred and (len(self.terms) > 1 or call_losses):
             names = [t.describe() for t in counted]
+            losses = ("several compiled losses" if len(self.terms) > 1
+                      else "losses added by layers during the call")
             when = ("this schedule starts backward passes before that" if not forwards_first
                     else "with data-parallel replicas the loop execution cannot sum it over "
                          "the replicas before its backward passes")
@@ -330,10 +297,8 @@ class Plan:
             raise ValueError(
                 f"Loss {names} is averaged over the elements its mask or sample "
                 f"weights leave (e.g. masked tokens, ignore_class), a count known only "
-                f"after every micro-batch's forward pass; {when}, and with "
-                f"{'several compiled losses' if len(self.terms) > 1 else 'losses added by layers during the call'} "
-                f"the gradients cannot be rescaled afterwards. Use {fix}, or "
-                f"reduction='sum'.")
+                f"after every micro-batch's forward pass; {when}, and with {losses} the "
+                f"gradients cannot be rescaled afterwards. Use {fix}, or reduction='sum'.")
 
     @staticmethod
     def _weight(term):
@@ -365,8 +330,7 @@ class Plan:
         if not self.deferred:
             return None
         term = self.split.counted[0]
-        return tf.math.divide_no_nan(
-            1.0, self._divisor(term, divisor_sums[self.terms.index(term)]))
+        return tf.math.divide_no_nan(1.0, self._divisor(term, divisor_sums[self.terms.index(term)]))
 
     def values(self, numerator_sums, divisor_sums):
         """(total data loss, [L_j per term]) for the step, as Keras reports them."""

@@ -1,24 +1,12 @@
 """Scatter a batch into M micro-batches along axis 0, and gather back.
 
 A batch of N rows is cut into M contiguous micro-batches whose sizes differ by
-at most one row: micro-batch m has `N // M + (m < N % M)` rows. Nothing is
-padded, so a ragged last batch of an epoch is exact for everything computed
-per row or per batch (losses, stage losses, BatchNorm statistics); the loss
-module (`tfpipe.loss`) weights each micro-batch by its real share of the
-batch.
-
-Only a batch with fewer rows than M (an epoch's last, say) leaves micro-batches
-with no rows. Empty tensors break some kernels (convolutions), so such a
-micro-batch runs on a copy of the batch's first row with weight 0 everywhere:
-`real(m)` is 0 for it, its share of the batch (`fraction`) is 0, and `merge`
-leaves it out.
-
-Dense tensors, `tf.SparseTensor`s and `tf.RaggedTensor`s are cut along their
-first axis (for a SparseTensor its first dense dimension, for a
-RaggedTensor its rows); any other value raises a `ValueError` naming it.
-
-Micro-batch m can be taken with m a Python int (the unrolled step) or an int32
-scalar tensor (the loop step), from the same `Split`.
+at most one row (micro-batch m has `N // M + (m < N % M)` rows); nothing is
+padded, so a ragged batch is exact. With N < M some micro-batches have no
+rows: such one runs on a copy of row 0 with weight 0 (`real(m)` and
+`fraction(m)` are 0, `merge` leaves it out), since empty tensors break some
+kernels. Dense, sparse (first dense dimension) and ragged (rows) tensors are
+cut; m is a Python int (the unrolled step) or an int32 tensor (the loop step).
 """
 
 import tensorflow as tf
@@ -37,8 +25,7 @@ def _check_leaf(t, where):
     raise ValueError(
         f"{where}: tfpipe splits every input along axis 0 into micro-batches and "
         f"supports dense tensors, tf.SparseTensor and tf.RaggedTensor; got "
-        f"{type(t).__name__}. Convert it to one of those (or to a NumPy array)."
-    )
+        f"{type(t).__name__}. Convert it to one of those (or to a NumPy array).")
 
 
 def _rows(t):
@@ -58,20 +45,16 @@ def _static_rows(t):
 class Split:
     """How one batch of N rows is cut into M micro-batches.
 
-    Args:
-      reference: a nest of tensors (the batch's inputs); its first leaf gives N.
-      num_microbatches: M.
-      name: what the batch is, for error messages.
+    `reference` is a nest of tensors whose first leaf gives N; `name` says
+    what the batch is in error messages.
 
     Attributes:
-      num_microbatches: M.
       num_rows: N, an int32 scalar tensor.
-      total_rows: the rows of the whole global batch when this batch is
-        one data-parallel replica's share of it (int32 scalar tensor; N
-        with one replica). Shares (`fraction`) are relative to it.
+      total_rows: the global batch's rows, of which this batch is one
+        replica's share (N with one replica); `fraction` is relative to it.
       static_rows: N when known while tracing, else None.
-      static_size: the rows of every micro-batch when N is static and a
-        multiple of M (then shapes stay static), else None.
+      static_size: every micro-batch's rows when N is static and a multiple
+        of M, else None.
     """
 
     def __init__(self, reference, num_microbatches, name="the batch"):
@@ -95,15 +78,10 @@ class Split:
         self._made = {}  # (what, m, graph): a size made for a Python int m
 
     def assume_equal(self):
-        """From now on every micro-batch has exactly N / M rows, taken with
-        slice sizes known when an XLA program is compiled (the loop step under
-        `jit_compile=True`, whose TensorLists hold one shape). N must be a
-        multiple of M (`tfpipe.xla.check_static_batch` says so before
-        training); if it is not, the reshape in `take` fails to compile rather
-        than drop rows."""
+        """From now on every micro-batch has exactly N / M rows, with sizes XLA
+        knows when it compiles (the loop step under `jit_compile=True`). N
+        must be a multiple of M (`tfpipe.xla.check_static_batch`)."""
         self.equal_size = self._base
-
-    # -- sizes ---------------------------------------------------------------
 
     def _once(self, what, m, make):
         # A Python int m (the unrolled step) asks for the same sizes from
@@ -156,8 +134,6 @@ class Split:
         empty = size < 1
         return tf.where(empty, 0, self.start(m)), tf.where(empty, 1, size)
 
-    # -- scatter and gather --------------------------------------------------
-
     def take(self, structure, m):
         """Micro-batch m of `structure` (same nest; None leaves stay None)."""
         if structure is None:
@@ -180,8 +156,7 @@ class Split:
             if self.equal_size is not None:
                 # (M, N / M, ...) then row m: sizes XLA knows, and a loud
                 # compile error, never dropped rows, if N is not a multiple of M.
-                shape = tf.concat([[self.num_microbatches, self.equal_size],
-                                   tf.shape(t)[1:]], 0)
+                shape = tf.concat([[self.num_microbatches, self.equal_size], tf.shape(t)[1:]], 0)
                 out = tf.gather(tf.reshape(t, shape), tf.cast(m, tf.int32))
                 out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
                 return out
@@ -220,11 +195,8 @@ class Split:
             structure)
 
     def merge(self, microbatches):
-        """Concatenates M structures along axis 0: the batch, rows in order.
-
-        Keras' hidden metadata on the tensors (masks, softmax/sigmoid logits)
-        is concatenated too, so metrics see what they would on the batch.
-        """
+        """Concatenates M structures along axis 0, rows in order, with their
+        Keras masks and logits (metrics see what they would on the batch)."""
         if self.num_microbatches == 1:
             return microbatches[0]
         microbatches = [self.keep_real(s, m) for m, s in enumerate(microbatches)]
@@ -238,11 +210,7 @@ class Split:
 
 
 class Batch:
-    """One batch (x, y, sample_weight) and the `Split` that cuts it.
-
-    `micro(m)` is (x, y, sample_weight) of micro-batch m, each a nest like
-    the batch's (None stays None); for a Python int m it is made once.
-    """
+    """One batch (x, y, sample_weight) and the `Split` that cuts it."""
 
     def __init__(self, x, y=None, sample_weight=None, num_microbatches=1):
         self.x, self.y, self.sample_weight = x, y, sample_weight
@@ -254,10 +222,8 @@ class Batch:
                 _check_leaf(t, name)
         self._cache = {}
         # Cut every micro-batch at once (`Split.take_all`) when sizes are
-        # static: set by a stage-function step, whose graph then grows by
-        # one op per action. Not for inlined stages: with them, grappler's
-        # layout optimiser failed on a transformer's step ("couldn't be
-        # sorted in topological order", test_profile's slow test).
+        # static: set by a stage-function step only (with inlined stages it
+        # broke grappler's layout optimiser on a transformer's step).
         self.cut_at_once = False
 
     @property
@@ -265,6 +231,7 @@ class Batch:
         return self.split.num_microbatches
 
     def micro(self, m):
+        """(x, y, sample_weight) of micro-batch m (made once for an int m)."""
         if isinstance(m, int) and m in self._cache:
             return self._cache[m]
         if (self.cut_at_once and isinstance(m, int) and self.split.static_size
@@ -281,10 +248,3 @@ class Batch:
             self._cache[m] = result
         return result
 
-
-def static_batch_size(structure):
-    """Axis-0 size of the first tensor in `structure` if known when tracing."""
-    for t in _leaves(structure):
-        if t.shape.rank:
-            return t.shape[0]
-    return None

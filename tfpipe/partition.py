@@ -1,19 +1,9 @@
 """Which units go to which stage: balancing K contiguous groups.
 
-A model is a list of units in topological order (`tfpipe.graph`: its layers
-for a Sequential, its layers and raw ops for a functional model). A balance
-is a list of K unit counts, stage k taking the next `balance[k]` units. This
-module finds one that minimises the largest stage's cost, with a cost per
-unit from one of:
-
-* `balance_by_params`: parameter count (+1, so parameter-free units spread);
-* `balance_by_time`: measured forward + backward seconds on a sample batch;
-* `balance_by_memory`: measured activation bytes (what a stage keeps for its
-  backward) plus parameter bytes, on a sample batch.
-
-The costs are those torchgpipe's `balance_by_time` / `balance_by_size`
-measure; the split is the exact optimum of the contiguous min-max problem (a
-dynamic programme, `split_by_costs`). The measurements are `tfpipe.costs`'s.
+A balance is a list of K counts of the model's units (`tfpipe.graph`), stage
+k taking the next `balance[k]`. `split_by_costs` minimises the largest
+stage's cost exactly, with a unit's cost its parameter count, or its measured
+time or memory (`tfpipe.costs`), as torchgpipe's `balance_by_time` / `_size`.
 """
 
 import keras
@@ -37,25 +27,21 @@ def validate_balance(balance, num_layers, num_devices, unit_name="layers"):
     if empty:
         raise ValueError(
             f"balance {balance} gives stage {empty[0]} no layers; every stage needs "
-            f"at least one layer. Use fewer stages or move a layer into it."
-        )
+            f"at least one layer. Use fewer stages or move a layer into it.")
     if sum(balance) != num_layers:
         raise ValueError(
             f"balance {balance} sums to {sum(balance)} but the model has "
-            f"{num_layers} {unit_name}; the counts must add up to {num_layers}."
-        )
+            f"{num_layers} {unit_name}; the counts must add up to {num_layers}.")
     if len(balance) > num_devices:
         raise ValueError(
             f"balance {balance} asks for {len(balance)} stages but the strategy has "
-            f"{num_devices} devices; use at most {num_devices} stages or more devices."
-        )
+            f"{num_devices} devices; use at most {num_devices} stages or more devices.")
     return balance
 
 
 def split_by_costs(costs, num_stages):
-    """Unit counts per stage minimising the largest stage's summed cost.
-
-    Exact dynamic programme over contiguous cuts; every stage non-empty.
+    """Unit counts per stage minimising the largest stage's summed cost
+    (exact, over contiguous cuts; every stage non-empty).
 
     >>> split_by_costs([4, 1, 1, 1, 1, 4], 3)
     [1, 4, 1]
@@ -65,8 +51,7 @@ def split_by_costs(costs, num_stages):
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= n:
         raise ValueError(
             f"Cannot cut {n} layers into {num_stages} non-empty stages; "
-            f"use between 1 and {n} stages."
-        )
+            f"use between 1 and {n} stages.")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -106,15 +91,9 @@ def param_costs(layers_or_model):
 
 
 def balance_by_params(layers, num_stages):
-    """Unit counts per stage minimising the largest stage's parameter count.
-
-    Args:
-      layers: a list of layers (and raw ops), or a Keras model (its units,
-        as `tfpipe.graph.model_graph` reads them).
-      num_stages: K.
-
-    Each unit costs its parameter count plus one (so parameter-free layers
-    still spread out). Exact dynamic programme over contiguous cuts.
+    """Unit counts per stage minimising the largest stage's parameter count
+    (+1 per unit, so parameter-free layers spread). `layers`: a list of
+    layers (and raw ops), or a Keras model; `num_stages`: K.
 
     >>> import keras
     >>> layers = [keras.layers.Dense(4) for _ in range(4)]
@@ -141,28 +120,15 @@ def memory_costs(model, sample):
 
 
 def balance_by_time(model, sample, num_stages, repeats=3):
-    """Unit counts per stage minimising the slowest stage's forward + backward time.
-
-    Each unit of `model` is run eagerly on the activations `sample` produces,
-    in training mode, forward then backward, `repeats` times after one warm-up
-    (the fastest run counts). Timing is noisy: two calls may disagree on
-    near-ties. `model` is left as it was.
-
-    >>> import keras, numpy as np
-    >>> model = keras.Sequential([keras.Input((16,))] +
-    ...                          [keras.layers.Dense(16) for _ in range(4)])
-    >>> balance_by_time(model, np.ones((8, 16), "float32"), 2)   # doctest: +SKIP
-    [2, 2]
-    """
+    """Unit counts per stage minimising the slowest stage's forward + backward
+    time on `sample` (the fastest of `repeats` runs; noisy on near-ties).
+    `model` is left as it was."""
     return split_by_costs(time_costs(model, sample, repeats), num_stages)
 
 
 def balance_by_memory(model, sample, num_stages):
-    """Unit counts per stage minimising the largest stage's activation + parameter bytes.
-
-    Activation bytes are the sizes of each unit's outputs on `sample` (what a
-    stage keeps for its backward pass without recompute); parameter bytes are
-    its weights' sizes. `model` is left as it was.
+    """Unit counts per stage minimising the largest stage's activation (its
+    outputs on `sample`) + parameter bytes. `model` is left as it was.
 
     >>> import keras, numpy as np
     >>> model = keras.Sequential([keras.Input((16,))] +
@@ -176,11 +142,10 @@ def balance_by_memory(model, sample, num_stages):
 def choose_balance(model, balance, num_stages, sample=None):
     """Resolves `from_model`'s `balance` argument to (counts, method name).
 
-    `balance` is a list of counts (validated: at most `num_stages` stages),
-    None or "params" (parameters), "time" or "memory" (measured on `sample`,
-    default a random batch of `tfpipe.costs.DEFAULT_SAMPLE_BATCH` rows); the automatic
-    methods use min(num_stages, number of units) stages. `model` may be a
-    `tfpipe.graph.Graph`.
+    `balance` is a list of counts (at most `num_stages` stages), None or
+    "params", "time" or "memory" (measured on `sample`, default
+    `tfpipe.costs.sample_batch`); the automatic methods use min(num_stages,
+    units) stages. `model` may be a `tfpipe.graph.Graph`.
     """
     graph = graph_lib.as_graph(model)
     n = len(graph.units)
@@ -195,8 +160,7 @@ def choose_balance(model, balance, num_stages, sample=None):
     elif isinstance(balance, str):
         raise ValueError(
             f"Unknown balance {balance!r}. Use a list of counts per stage, or one of "
-            f"{list(BALANCE_METHODS)}."
-        )
+            f"{list(BALANCE_METHODS)}.")
     else:
         counts, method = balance, "explicit"
     return validate_balance(counts, n, num_stages, graph.unit_name), method

@@ -18,14 +18,9 @@ def available_devices(device_type=None):
 
 
 def default_devices():
-    """All logical GPUs if there are any, else all logical CPUs (of this process).
-
-    Raises:
-      ValueError: this process is a client connected to a cluster
-        (`tfpipe.cluster.connect`): its device list starts with its own CPU,
-        so the default would put stage 0 on the client. Which task holds which
-        stage is the caller's to say.
-    """
+    """All logical GPUs if there are any, else all logical CPUs (of this
+    process). Raises ValueError on a client connected to a cluster, where the
+    default would put stage 0 on the client."""
     remote = [d for d in available_devices() if _full_spec(d)[0] != _LOCAL_JOB]
     if remote:
         raise ValueError(
@@ -36,9 +31,7 @@ def default_devices():
     return available_devices("GPU") or available_devices("CPU")
 
 
-# A device name without a job means this process's own device: TensorFlow
-# lists those without job/replica/task, and places them as
-# /job:localhost/replica:0/task:0 (also on a client connected to a cluster).
+# The job of a device name without one: this process's own device.
 _LOCAL_JOB = "localhost"
 
 
@@ -63,16 +56,10 @@ def same_task(device, task):
 
 
 def canonical_device(name):
-    """Resolves a device string to the name TensorFlow lists for that device.
-
-    `"/CPU:1"`, `"cpu:1"`, `"/device:CPU:1"` and
-    `"/job:localhost/replica:0/task:0/device:CPU:1"` all resolve to
-    `"/device:CPU:1"` on one machine.
-
-    Raises:
-      ValueError: no logical device matches `name` (TensorFlow itself would
-        silently fall back to CPU:0).
-    """
+    """Resolves a device string to the name TensorFlow lists for that device
+    (`"cpu:1"` and `"/job:localhost/replica:0/task:0/device:CPU:1"` give
+    `"/device:CPU:1"` on one machine). Raises ValueError if no logical device,
+    or several tasks' devices, match (TensorFlow would silently take CPU:0)."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"A device must be a non-empty string, got {name!r}.")
     try:
@@ -87,10 +74,8 @@ def canonical_device(name):
             spec.device_type is not None
             and spec.device_type.upper() == have.device_type
             and (spec.device_index or 0) == have.device_index
-            # Local devices are listed without job/replica/task; the process
-            # itself is /job:localhost/replica:0/task:0, and so is a name
-            # without a job. A missing replica or task matches any: several
-            # matches are refused below rather than read as task 0.
+            # A missing replica or task matches any: several matches are
+            # refused below rather than read as task 0.
             and (spec.job or _LOCAL_JOB) == (have.job or _LOCAL_JOB)
             and spec.replica in (None, have.replica or 0)
             and spec.task in (None, have.task or 0)
@@ -133,20 +118,13 @@ def misplaced_variables(variables, device):
 
 
 def place_variables(stages, stage_devices):
-    """Puts every variable of every stage on its stage's device.
+    """Puts every variable of every stage on its stage's device (a device, or
+    stage k's column of R devices of a data-parallel grid, mirrored); returns
+    {id(variable): home stage index}.
 
-    `stage_devices[k]` is a device, or a list of R devices (stage k's column
-    of a data-parallel grid): the variable is then mirrored, copy r on
-    `stage_devices[k][r]` (created under the grid strategy's scope).
-
-    A variable used by several stages (a shared layer, a tied embedding)
-    lives on the device of the first stage that uses it. Variables already
-    there are left alone; others get their storage re-created there with the
-    same value (`tfpipe._internal.move_variable`); the layers keep their
-    variable objects.
-
-    Returns:
-      {id(variable): stage index} for every variable: its home stage.
+    A variable shared by several stages lives on the first one's device.
+    Misplaced ones get their storage re-created there with the same value
+    (`tfpipe._internal.move_variable`); the layers keep their variable objects.
     """
     homes = {}
     for k, (stage, device) in enumerate(zip(stages, stage_devices)):

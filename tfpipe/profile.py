@@ -1,47 +1,13 @@
 """A measured pipeline timeline: when each action ran in one real training step.
 
-`record_step(model, x, y)` runs one training step's forward and backward
-through the model's schedule, as `fit` runs it: all devices at once, in one
-`tf.function` call. Each action is stamped inside that running step
-(`tf.timestamp()`, host clock) when it starts (its inputs exist and its
-device finished its previous action) and when it ends (its outputs exist).
-The stamps add only the ordering the schedule already has: they are not
-chained to each other (`_internal.unordered_timestamp`), so two devices'
-actions overlap in the timeline exactly when they ran at once.
-
-The result is a `Timeline`: per device, the actions with start and end times
-in milliseconds, and three bubble figures, which answer different questions
-(the names are used everywhere: chart, Chrome trace, TensorBoard, trainer):
-
-  measured bubble          idle share of the D devices over the step's span,
-                           1 - (sum of all action times) / (D * span).
-  predicted from measured  `schedules.simulate` of this schedule with each
-  stage costs              stage's mean measured F, B, I and W times: what the
-                           schedule alone would leave idle on this machine
-                           (no transfers, no contention for cores, no
-                           scheduling delays). Measured minus predicted is the
-                           time lost to those.
-  schedule's ideal with    the schedule's own bubble with F = 1, B = 2
-  F=1, B=2                 (I = W = 1) on every stage; depends only on the
-                           schedule, M and D (`model.pipeline_summary()` and
-                           the README's table quote it).
-
-and the overlap: the time during which two or more devices had an action
-running (`Timeline.overlap_ms`), beside what the simulated step predicts
-(`predicted_overlap_ms`: 0 where the schedule never runs two devices at once,
-e.g. one device or one micro-batch, and the chart says so).
-
-It writes a Chrome trace (`chrome://tracing`, Perfetto; the figures and their
-explanations are in its `otherData`) and a PNG Gantt chart (a legend, the
-figures in a caption, labels only where they fit their bar).
-`PipelineTimeline` is a Keras callback doing the same at the end of `fit` (or
-every N epochs), into files and TensorBoard.
-
-Timestamps are host times. On CPU devices a bar runs from when the action's
-inputs were ready to when its outputs existed; where more devices are ready
-than there are cores, that includes waiting for a core. On GPUs they mark when
-the executor saw the kernels' inputs and outputs, not when the kernels ran
-(use the TensorFlow profiler there).
+`record_step(model, x, y)` runs one training step as `fit` runs it and stamps
+each action inside the running step (`tf.timestamp()`, host clock) when it
+starts and ends; the stamps are not chained to each other
+(`_internal.unordered_timestamp`), so two devices' actions overlap exactly
+when they ran at once. A `Timeline` holds the figures (`FIGURES`) and draws a
+Chrome trace and a Gantt chart; `PipelineTimeline` records one during `fit`.
+On GPUs the stamps mark when the executor saw the kernels' inputs and
+outputs, not when the kernels ran (use the TensorFlow profiler there).
 """
 
 import dataclasses
@@ -57,20 +23,16 @@ from tfpipe import schedules
 # What each figure means, in the words the chart, the Chrome trace and
 # TensorBoard show (keys: the `Timeline` attributes).
 FIGURES = {
-    "measured_bubble": (
-        "measured bubble: idle share of the D devices over the step's span, "
-        "1 - (sum of all action times) / (D x span), from timestamps taken in the running step"),
-    "predicted_bubble": (
-        "predicted from measured stage costs: the schedule simulated with each stage's mean "
-        "measured F, B, I, W times (no transfers, no contention, no scheduling delays)"),
-    "ideal_bubble": (
-        "schedule's ideal with F=1, B=2: the schedule's own bubble with F = 1, B = 2 "
-        "(I = W = 1) on every stage; depends only on the schedule, M and D"),
-    "overlap_ms": (
-        "overlap: milliseconds during which two or more devices had an action running"),
-    "predicted_overlap_ms": (
-        "predicted overlap: the same in the step simulated from measured stage costs "
-        "(0: the schedule never runs two devices at once)"),
+    "measured_bubble": "measured bubble: idle share of the D devices over the step's span, "
+        "1 - (sum of all action times) / (D x span), from timestamps taken in the running step",
+    "predicted_bubble": "predicted from measured stage costs: the schedule simulated with "
+        "each stage's mean measured F, B, I, W times (no transfers, no contention, no "
+        "scheduling delays)",
+    "ideal_bubble": "schedule's ideal with F=1, B=2: the schedule's own bubble with F = 1, "
+        "B = 2 (I = W = 1) on every stage; depends only on the schedule, M and D",
+    "overlap_ms": "overlap: milliseconds during which two or more devices had an action running",
+    "predicted_overlap_ms": "predicted overlap: the same in the step simulated from measured "
+        "stage costs (0: the schedule never runs two devices at once)",
 }
 
 # Bar colours per action kind, and the text colour that reads on each.
@@ -103,15 +65,8 @@ class Timeline:
       events: every action, in start order.
       devices: the D device names.
       schedule: the schedule's name; num_microbatches: M.
-      measured_bubble: 1 - busy / (D * span), from the measured times.
-      predicted_bubble: "predicted from measured stage costs":
-        `schedules.simulate` of this schedule with each stage's mean measured
-        F, B, I and W durations (what the schedule alone would leave idle).
-      ideal_bubble: "schedule's ideal with F=1, B=2": the simulator with
-        F = 1, B = 2 (I = W = 1) on every stage.
-      predicted_overlap_ms: time two or more devices run at once in that
-        simulated step (0: the schedule never overlaps devices here).
-    See the module docstring and `FIGURES` for what each figure tells.
+      measured_bubble, predicted_bubble, ideal_bubble, predicted_overlap_ms:
+        the figures, as `FIGURES` explains them.
     """
 
     events: list
@@ -136,9 +91,7 @@ class Timeline:
         return overlap_ms(per_device)
 
     def summary(self):
-        """The figures in one line (the trainer prints it), e.g. "measured
-        bubble 21.0%; predicted from measured stage costs 23.3%; schedule's
-        ideal with F=1, B=2: 20.0%; overlap 10.4 of 19.1 ms"."""
+        """The figures in one line (the trainer prints it)."""
         return (f"measured bubble {self.measured_bubble:.1%}; predicted from measured stage "
                 f"costs {self.predicted_bubble:.1%}; schedule's ideal with F=1, B=2: "
                 f"{self.ideal_bubble:.1%}; {self._overlap_text()}")
@@ -158,19 +111,14 @@ class Timeline:
         """The figures and what each means (a JSON-ready dict)."""
         return {"schedule": self.schedule, "num_microbatches": self.num_microbatches,
                 "devices": list(self.devices), "span_ms": self.span_ms,
-                "measured_bubble": self.measured_bubble,
-                "predicted_bubble": self.predicted_bubble,
-                "ideal_bubble": self.ideal_bubble,
-                "overlap_ms": self.overlap_ms,
+                "measured_bubble": self.measured_bubble, "predicted_bubble": self.predicted_bubble,
+                "ideal_bubble": self.ideal_bubble, "overlap_ms": self.overlap_ms,
                 "predicted_overlap_ms": self.predicted_overlap_ms,
-                "summary": self.summary(),
-                "figures": dict(FIGURES)}
+                "summary": self.summary(), "figures": dict(FIGURES)}
 
     def to_chrome_trace(self, path):
-        """Writes a Chrome trace JSON (one row per device); returns `path`.
-
-        The figures and their explanations are in `otherData`
-        (`metadata()`; chrome://tracing shows them under "Metadata")."""
+        """Writes a Chrome trace JSON (one row per device, `metadata()` in
+        `otherData`); returns `path`."""
         trace = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": d,
                   "args": {"name": f"device {d}: {name}"}}
                  for d, name in enumerate(self.devices)]
@@ -187,13 +135,9 @@ class Timeline:
         return path
 
     def figure(self):
-        """The Gantt chart as a matplotlib `Figure` (Agg canvas, no pyplot).
-
-        One row per device, a bar per action coloured by kind (legend below
-        the axis), the figures in a caption. A bar's label ("B0.2": kind,
-        stage.micro-batch) is drawn only if its rendered text fits inside the
-        bar, in the text colour with the higher contrast on that bar colour.
-        """
+        """The Gantt chart as a matplotlib `Figure` (Agg canvas, no pyplot): a
+        row per device, a bar per action coloured by kind, the figures in a
+        caption, and a bar's label ("B0.2") only where it fits."""
         try:  # an extra: the library itself needs only TensorFlow and Keras
             # pylint: disable=import-outside-toplevel
             from matplotlib import figure as mpl_figure
@@ -319,15 +263,9 @@ def overlap_ms(intervals):
 
 
 def stage_costs(events, num_stages):
-    """Each stage's mean measured cost in ms, as `schedules.simulate` takes it.
-
-    Args:
-      events: a `Timeline`'s events.
-      num_stages: K.
-    Returns:
-      (forward, backward, weight): lists of K floats; backward is a stage's B,
-      or its I + W under a split schedule; weight is its W (0.0 where none).
-    """
+    """Each stage's mean measured (forward, backward, weight) ms from a
+    `Timeline`'s events: lists of K floats, as `schedules.simulate` takes them
+    (backward is B, or I + W; weight is W, 0.0 where none)."""
     def mean(kind):
         costs = []
         for k in range(num_stages):
@@ -341,21 +279,11 @@ def stage_costs(events, num_stages):
 
 
 def record_step(model, x, y=None, sample_weight=None, repeats=2):
-    """Runs and times one training step of a compiled `PipelinedModel`.
+    """Runs and times one training step of a compiled `PipelinedModel` as
+    `fit` runs it, but applies no update and restores all non-trainable state.
 
-    The forward and backward run exactly as in `fit` (same schedule, devices,
-    recompute, execution and `serialize_ops`; both backends stamp each action
-    inside the running step, all devices at once), but no optimizer update is
-    applied, and all non-trainable state (BatchNorm statistics, RNG seeds) is
-    restored after, so the model is unchanged.
-
-    Args:
-      model: a built, compiled `tfpipe.PipelinedModel`.
-      x, y, sample_weight: one batch (arrays or tensors), its size a multiple
-        of the model's num_microbatches.
-      repeats: runs of the step; the first traces the graph, the last is kept.
-    Returns:
-      A `Timeline` (times in ms; bubbles as fractions in [0, 1]).
+    `x, y, sample_weight`: one batch, a multiple of M rows; `repeats`: runs
+    of the step (the first traces; the last is kept). Returns a `Timeline`.
     """
     if not getattr(model, "compiled", False) or not model.built:
         raise ValueError("record_step needs a built, compiled PipelinedModel "
@@ -420,22 +348,11 @@ SCALARS = (("pipeline/bubble_measured", "measured_bubble"),
 
 
 class PipelineTimeline(keras.callbacks.Callback):
-    """Records a `Timeline` of one step on a fixed batch during `fit`.
-
-    Writes `timeline_epoch{E}.json` (Chrome trace) and `.png` into `log_dir`,
-    and, if `tensorboard_dir` is given, the PNG as an image
-    ("pipeline/timeline") and the figures as scalars at step E (`SCALARS`:
-    "pipeline/bubble_measured", "pipeline/bubble_predicted_from_stage_costs",
-    "pipeline/bubble_schedule_ideal_F1_B2", "pipeline/overlap_ms",
-    "pipeline/overlap_predicted_ms"), each with its explanation as the
-    scalar's description.
-
-    Args:
-      x, y, sample_weight: the batch to time (a multiple of M rows).
-      log_dir: folder for the trace and chart.
-      every_n_epochs: record after every N-th epoch; 0 records only when
-        training ends.
-      tensorboard_dir: optional TensorBoard log folder.
+    """Records a `Timeline` of one step on the batch `x, y, sample_weight` (a
+    multiple of M rows) after every `every_n_epochs`-th epoch, or only when
+    training ends (0), into `timeline_epoch{E}.json` (Chrome trace) and `.png`
+    in `log_dir`, and, with `tensorboard_dir`, the PNG as an image
+    ("pipeline/timeline") and the figures as scalars (`SCALARS`) at step E.
 
     >>> cb = PipelineTimeline(x[:64], y[:64], "/tmp/run")   # doctest: +SKIP
     >>> model.fit(x, y, batch_size=64, callbacks=[cb])       # doctest: +SKIP

@@ -1,18 +1,9 @@
 """Side-effect-free stage replay, for re-materialisation.
 
-GPipe keeps only each stage's input for a micro-batch and recomputes the
-stage's activations during the backward pass. tfpipe does the recompute itself
-rather than through `tf.recompute_grad`, for two reasons measured on TF 2.21:
-`tf.recompute_grad` replays stochastic layers with an advanced seed (a different
-dropout mask than the forward used, so wrong gradients), and it runs the
-backward wherever the enclosing tape is, not on the stage's device.
-
-A replay here (1) restores the stage's seed-generator state to what it was
-before that micro-batch's forward, so dropout masks are identical, and (2) puts
-every non-trainable variable (seed states, BatchNorm moving statistics) back
-afterwards, so a recompute never updates state twice. Which micro-batches
-replay is the policy's (`tfpipe.actions.is_recomputed`, pure Python, so the
-simulator prices it too).
+A replay restores the stage's seed state to what it was before that
+micro-batch's forward (same dropout masks) and puts every non-trainable
+variable back afterwards (no state updated twice). `tf.recompute_grad` does
+neither, and runs the backward off the stage's device.
 """
 
 import tensorflow as tf
@@ -27,9 +18,8 @@ class StageState:
         self._stage = stage
 
     def seed_variables(self):
-        """The stage's seed-generator state variables."""
-        # Looked up when tracing, not at construction: a stage's variables
-        # exist only once it is built.
+        """The stage's seed-generator state variables (looked up when tracing:
+        they exist only once the stage is built)."""
         return [g.state for g in _internal.seed_generators(self._stage)]
 
     def snapshot_seeds(self):

@@ -1,14 +1,9 @@
 """The data-parallel level: which replica a step runs in, and sums over replicas.
 
-With `PipelineStrategy(num_replicas=R)` Keras runs the train step once per
-replica (`strategy.run`), each on 1/R of the global batch, and the optimizer
-sums the replicas' gradients. For the sum to be the gradient of plain Keras'
-loss on the global batch, each replica's loss must be its *share* of that
-loss: numerators over the replica's rows divided by the global divisor (the
-global rows, or the global count of valid elements), call losses weighted by
-rows / global rows, and the once-per-step weight regularisers divided by R.
-The step asks this module for those global quantities; with R = 1 every
-function here is the identity and adds nothing to the graph.
+Each of R replicas runs the step on 1/R of the global batch and the optimizer
+sums their gradients, so each replica's loss must be its *share* of the
+global batch's loss; the step asks here for the global quantities (divisors,
+rows). With R = 1 every function is the identity and adds nothing to the graph.
 """
 
 import tensorflow as tf
@@ -21,8 +16,7 @@ def num_replicas():
 
 def replica_index():
     """The index, among this process's replicas, of the replica being traced
-    (a Python int; 0 outside `strategy.run`, e.g. in Keras' symbolic build).
-    With one pipeline per worker process it is always 0."""
+    (a Python int; 0 outside `strategy.run`)."""
     context = tf.distribute.get_replica_context()
     if context is None or num_replicas() == 1:
         return 0

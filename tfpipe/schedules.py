@@ -11,12 +11,8 @@ device 1: F1.0 B1.0 F1.1 B1.1 F1.2 B1.2
 >>> simulate(schedule, 3, 2).bubble_fraction   # (K - 1) / (M + K - 1)
 0.25
 
-Stage s lives on device `schedule.stage_device(s, D)`: s for GPipe, 1F1B and
-ZB-H1 (K = D stages), s mod D for `Interleaved` (K = v * D stages, v per
-device), and a V for ZB-V (device d holds stages d and 2D - 1 - d).
-New schedules are a new table (subclass `Schedule` and implement `actions`,
-or pass a literal table to `Table`), not a new engine. `simulate`,
-`validate`, `clock_ticks` are `tfpipe.simulation`'s, taking names too.
+A new schedule is a new table (subclass `Schedule`, or a literal `Table`),
+not a new engine. `simulate` and co. take schedule names too.
 """
 
 import re
@@ -33,9 +29,7 @@ SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 
 class GPipe(Schedule):
     """Fill-drain (Huang et al., 2019): every forward, then every backward.
-
-    Each device keeps all M micro-batches' activations until the drain; the
-    bubble is (K - 1) / (M + K - 1).
+    Bubble (K - 1) / (M + K - 1); a device keeps all M activations.
 
     >>> print(GPipe().format(2, 2))
     device 0: F0.0 F0.1 B0.1 B0.0
@@ -49,16 +43,12 @@ class GPipe(Schedule):
         m_range = range(num_microbatches)
         return [
             [Action("F", d, m) for m in m_range] + [Action("B", d, m) for m in reversed(m_range)]
-            for d in range(num_devices)
-        ]
+            for d in range(num_devices)]
 
 
 class OneFOneB(Schedule):
-    """One-forward-one-backward (PipeDream-flush): same bubble as GPipe,
-    but device d holds at most K - d micro-batches' activations (GPipe: M).
-
-    Device d runs min(K - d - 1, M) warm-up forwards, then alternates one
-    forward and one backward, then drains the remaining backwards.
+    """One-forward-one-backward (PipeDream-flush): GPipe's bubble, but
+    device d holds at most K - d micro-batches' activations (GPipe: M).
 
     >>> print(OneFOneB().format(4, 2))
     device 0: F0.0 F0.1 B0.0 F0.2 B0.1 F0.3 B0.2 B0.3
@@ -81,14 +71,9 @@ class OneFOneB(Schedule):
 
 
 class Interleaved(Schedule):
-    """Interleaved 1F1B (Narayanan et al., 2021) with v stages per device.
-
-    The model is cut into K = v * D stages; stage s runs on device s mod D, so
-    each micro-batch visits every device v times. Each stage is v times
-    smaller, so the fill and drain shrink: the bubble is about
-    (D - 1) / (v * M + D - 1) instead of (D - 1) / (M + D - 1).
-    Micro-batches go through the devices in groups of D, so M must be a
-    multiple of D.
+    """Interleaved 1F1B (Narayanan et al., 2021): K = v * D stages, stage s
+    on device s mod D; bubble about (D - 1) / (v * M + D - 1). M must be a
+    multiple of D (micro-batches go through the devices in groups of D).
 
     >>> print(Interleaved(virtual_stages=2).format(2, 2))
     device 0: F0.0 F0.1 F2.0 F2.1 B2.0 B2.1 B0.0 B0.1
@@ -102,8 +87,7 @@ class Interleaved(Schedule):
                 or virtual_stages < 1):
             raise ValueError(
                 f"Interleaved(virtual_stages=...) must be a positive integer, got "
-                f"{virtual_stages!r}."
-            )
+                f"{virtual_stages!r}.")
         self.virtual_stages = virtual_stages
 
     def get_config(self):
@@ -117,8 +101,7 @@ class Interleaved(Schedule):
                 f"{spell('schedule', schedule_name(self))} needs "
                 f"{spell('num_microbatches')} to be a multiple of its {num_devices} devices; "
                 f"got {spell('num_microbatches', num_microbatches)}. Use "
-                f"{spell('num_microbatches', good)}, or {spell('schedule', '1f1b')}."
-            )
+                f"{spell('num_microbatches', good)}, or {spell('schedule', '1f1b')}.")
 
     def actions(self, num_microbatches, num_devices):
         self.check(num_microbatches, num_devices)
@@ -147,26 +130,10 @@ class Interleaved(Schedule):
 class ZeroBubbleH1(Schedule):
     """ZB-H1 (Qi et al., 2024): 1F1B with each backward split into I and W.
 
-    Device d runs 1F1B's D - d - 1 warm-up forwards, then alternates one
-    forward and one I; its W's start after its first d + 1 I's, and the
-    cool-down runs I, W pairs and then the W's left. Only I is on the
-    critical path, so the backward wave reaches the first device earlier and
-    the late W's fill the drain. With F = I = W (backward_cost = 2 *
-    forward_cost, the default weight_cost) and M >= D the idle time is a
-    third of 1F1B's: D (D - 1) forward units against 3 D (D - 1), a
-    makespan of 3M + D - 1 (measured for D <= 8). With M < D there is less
-    to fill: between a third and two thirds (M = 1: two thirds).
-
-    Memory: every device keeps at most min(M, D) micro-batches' activations
-    (counting F to W), which is 1F1B's peak on device 0, so the pipeline's
-    peak is the same. Devices d > 0 keep more than 1F1B's D - d: the last
-    device must hold its W's to the end, and no schedule with only D - d
-    live on device d can beat two thirds of 1F1B's idle time (the last
-    device would run F, I, W back to back from time D - 1, and the I chain
-    back to device 0 and its last W add D - 1: a makespan of at least
-    3M + 2D - 2). After
-    I a stage can free what only the input gradient needed; W needs the
-    layer inputs and output gradients, so in bytes the gap is smaller.
+    Device d alternates F and I after 1F1B's warm-up; its W's start after
+    its first d + 1 I's and fill the drain. With F = I = W and M >= D the
+    idle time is a third of 1F1B's (makespan 3M + D - 1). Every device
+    keeps at most min(M, D) activations: 1F1B's peak, on every device.
 
     >>> print(ZeroBubbleH1().format(3, 2))
     device 0: F0.0 F0.1 I0.0 W0.0 F0.2 I0.1 W0.1 I0.2 W0.2
@@ -202,24 +169,12 @@ class ZeroBubbleH1(Schedule):
 class ZeroBubbleV(Schedule):
     """ZB-V (Qi et al., 2024): two stages per device in a V, split backward.
 
-    K = 2D stages; stage s runs on device s for s < D and on device
-    2D - 1 - s after, so device 0 holds the first and the last stage and a
-    micro-batch goes down the devices and back up. The table comes from a
-    greedy list scheduler on unit costs (F = I = W = 1 per stage): at each
-    step every free device runs a ready I if it has one (lowest micro-batch,
-    then latest stage), else a ready F (same order) if its live stage
-    activations stay under 2D, else its oldest pending W, else it waits.
-    The result is deterministic and always completes.
-
-    With F = I = W (backward_cost = 2 * forward_cost, the default
-    weight_cost) and M >= D the idle time is D (D - 1) / 2 forward units, a
-    sixth of 1F1B's and half of ZB-H1's, so the bubble fraction is
-    (D - 1) / (6 M + D - 1): 0.059 at M = 8, D = 4, below 0.06 whenever
-    M >= 2D and D <= 4 (measured exactly for D in 2, 3, 4, 8; D = 5 idles a
-    quarter more, 0.050 at M = 16). The fill, D (D - 1) / 4, is the least
-    any schedule idles. With M < D the fill dominates (D = 4, M = 1: 0.65).
-    Memory: at most 2 min(M, D) live stage activations per device, each
-    half a device's share: no more than 1F1B's first device.
+    K = 2D stages: stage s on device s for s < D, else 2D - 1 - s. The table
+    is a greedy list schedule on unit costs (`_list_schedule`): a free device
+    runs a ready I, else a ready F while its live activations stay under 2D,
+    else its oldest pending W. With F = I = W and M >= D the bubble is
+    (D - 1) / (6 M + D - 1), a sixth of 1F1B's idle time; at most 2 min(M, D)
+    live stage activations (half a device's share each) per device.
 
     >>> print(ZeroBubbleV().format(2, 2))
     device 0: F0.0 F0.1 F3.0 I3.0 F3.1 I3.1 I0.0 W3.0 I0.1 W3.1 W0.0 W0.1
@@ -243,7 +198,8 @@ class ZeroBubbleV(Schedule):
 
 
 def _list_schedule(num_microbatches, num_devices, num_stages, device_of, limit):
-    """Greedy split-backward table on unit costs (see `ZeroBubbleV`)."""
+    """Greedy split-backward table on unit costs (see `ZeroBubbleV`); ties go
+    to the lowest micro-batch, then the latest stage. Deterministic."""
     m_count, k_count, d_count = num_microbatches, num_stages, num_devices
     stages = [[s for s in range(k_count) if device_of(s) == d] for d in range(d_count)]
     split = {Action("I", s, m) for s in range(k_count) for m in range(m_count)}
@@ -296,18 +252,12 @@ def _list_schedule(num_microbatches, num_devices, num_stages, device_of, limit):
 
 
 class Segmented(Schedule):
-    """Another schedule with every stage re-materialised in `segments` pieces.
-
-    Recompute granularity: each of the base schedule's stages is cut into
-    `segments` consecutive sub-stages on the same device, and each of the
-    base's actions becomes the same action on all of them, back to back:
-    forwards in stage order, backward halves in reverse. With
-    recompute="always" a sub-stage keeps only its input per micro-batch and
-    replays alone in its backward, so a device holds its segment boundaries
-    plus one segment's activations (checkpointing every few layers) instead
-    of a whole stage's. The stage count is the base's times `segments`
-    (`PipelinedModel.from_model` cuts that many; hand-made stages must be
-    that many); the devices, bubble and order are the base's.
+    """Another schedule with every stage cut into `segments` sub-stages on
+    the same device (recompute granularity): each base action becomes that
+    action on every sub-stage, forwards in stage order, backwards reversed.
+    With recompute="always" a device then holds its segment inputs plus one
+    segment's activations. K is the base's times `segments`; the devices,
+    bubble and order are the base's.
 
     >>> print(Segmented(OneFOneB(), 2).format(2, 2))
     device 0: F0.0 F1.0 F0.1 F1.1 B1.0 B0.0 B1.1 B0.1
@@ -354,10 +304,8 @@ class Table(Schedule):
     """A user-written schedule: a literal table of actions per device.
 
     Args:
-      table: one list per device of actions, each "F<stage>.<mb>",
-        "B<stage>.<mb>", "I<stage>.<mb>", "W<stage>.<mb>" or an
-        `Action`/(kind, stage, mb) tuple. The table is
-        for one (M, D); stage s must appear on one device only.
+      table: one list per device of actions ("F<stage>.<mb>", an `Action` or
+        a (kind, stage, mb) tuple), for one (M, D); each stage on one device.
       name: shown in summaries.
 
     >>> Table([["F0.0", "B0.0"], ["F1.0", "B1.0"]]).stage_device(1, 2)
@@ -375,8 +323,7 @@ class Table(Schedule):
                 if self._devices.setdefault(a.stage, d) != d:
                     raise ValueError(
                         f"Table puts stage {a.stage} on devices {self._devices[a.stage]} "
-                        f"and {d}; each stage must run on one device."
-                    )
+                        f"and {d}; each stage must run on one device.")
         stages = len(self._devices)
         self.virtual_stages = max(1, stages // max(1, len(self.table)))
         self._num_stages = stages
@@ -400,8 +347,7 @@ class Table(Schedule):
                 f"This Table schedules {self._num_microbatches} micro-batch(es) on "
                 f"{len(self.table)} device(s), but the pipeline has num_microbatches="
                 f"{num_microbatches} on {num_devices} device(s); write a table for that "
-                f"shape or set num_microbatches={self._num_microbatches}."
-            )
+                f"shape or set num_microbatches={self._num_microbatches}.")
 
     def actions(self, num_microbatches, num_devices):
         self.check(num_microbatches, num_devices)
@@ -410,9 +356,7 @@ class Table(Schedule):
 
 def get(schedule):
     """A schedule from an instance or a name: "gpipe", "1f1b", "interleaved"
-    (2 stages per device), "interleaved:v" (v stages per device), "zbh1",
-    "zbv", or "<name>/segments=n" (`Segmented`: each stage recomputed in n
-    pieces).
+    (v = 2), "interleaved:v", "zbh1", "zbv", or "<name>/segments=n".
 
     >>> get("interleaved:4")
     Interleaved(virtual_stages=4)
@@ -430,11 +374,9 @@ def get(schedule):
     if match:
         return Segmented(get(match.group(1)), int(match.group(2)))
     raise ValueError(
-        f"Unknown schedule {schedule!r}. Use one of {list(SCHEDULE_NAMES)}, "
-        f"'interleaved:<v>', '<schedule>/segments=<n>', or a "
-        f"tfpipe.schedules.Schedule instance (GPipe(), OneFOneB(), "
-        f"Interleaved(virtual_stages=v), ZeroBubbleH1(), ZeroBubbleV(), Table([...]))."
-    )
+        f"Unknown schedule {schedule!r}. Use one of {list(SCHEDULE_NAMES)}, 'interleaved:<v>', "
+        f"'<schedule>/segments=<n>', or a tfpipe.schedules.Schedule instance (GPipe(), OneFOneB(), "
+        f"Interleaved(virtual_stages=v), ZeroBubbleH1(), ZeroBubbleV(), Table([...])).")
 
 
 def schedule_name(schedule):
@@ -448,14 +390,10 @@ def schedule_name(schedule):
 
 
 def devices_needed(schedule, num_stages, num_microbatches=None, spell=ARGUMENTS):
-    """D, the devices `schedule` runs `num_stages` stages on: the one rule
-    for whether stages fill whole devices (every caller asks here).
+    """D, the devices `schedule` (instance or name) runs K = `num_stages`
+    stages on: the one rule for whether stages fill whole devices. Also
+    checks M if given; `spell` names the settings (`Spelling`).
 
-    Args:
-      schedule: an instance or name.
-      num_stages: K.
-      num_microbatches: M, to check that the schedule runs M on D too.
-      spell: how the caller names its settings (`Spelling`).
     Raises:
       ValueError: K is not a multiple of the schedule's stages per device, a
         `Table` holds another K, or the schedule cannot run M on D.
@@ -500,20 +438,19 @@ def from_config(config):
         arguments["schedule"] = from_config(arguments["schedule"])
     return classes[config["class"]](**arguments)
 
+
 def clock_cycles(num_microbatches, num_stages):
     """GPipe's forward fill as ticks: at tick t stage k runs micro-batch t - k.
 
+    Returns M + K - 1 ticks, each a list of (micro_batch, stage) pairs.
+
     >>> clock_cycles(3, 2)
     [[(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1)], [(2, 1)]]
-
-    Returns:
-      M + K - 1 ticks, each a list of (micro_batch, stage) pairs.
     """
     check_counts(num_microbatches, num_stages)
     return [
         [(t - k, k) for k in range(num_stages) if 0 <= t - k < num_microbatches]
-        for t in range(num_microbatches + num_stages - 1)
-    ]
+        for t in range(num_microbatches + num_stages - 1)]
 
 
 def bubble_fraction(num_microbatches, num_stages):
@@ -536,5 +473,4 @@ def validate(schedule, num_microbatches, num_devices):
 
 def clock_ticks(schedule, num_microbatches, num_devices, forward_only=False, costs=None):
     """`tfpipe.simulation.clock_ticks` of a schedule instance or name."""
-    return simulation.clock_ticks(get(schedule), num_microbatches, num_devices,
-                                  forward_only, costs)
+    return simulation.clock_ticks(get(schedule), num_microbatches, num_devices, forward_only, costs)

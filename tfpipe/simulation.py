@@ -1,18 +1,14 @@
 """Validating and simulating a schedule's table, and putting it on a clock.
 
-`simulate` runs a schedule on an idealised machine (each device runs its
-actions in order; an action starts when its device is free and its
-dependencies have finished; communication is free), which validates it on
-the way; `validate` returns the order the engine traces a step in;
-`clock_ticks` lays the table on ticks for the loop form (`tfpipe.loop`).
-These take a `tfpipe.actions.Schedule` instance; `tfpipe.schedules` wraps
-them to take names too. Pure Python.
+`simulate` runs a `tfpipe.actions.Schedule` on an idealised machine and
+validates it on the way; `validate` returns the order the engine traces a
+step in; `clock_ticks` lays the table on ticks for the loop form
+(`tfpipe.loop`). `tfpipe.schedules` wraps them to take names too. Pure Python.
 """
 
 import dataclasses
 
-from tfpipe.actions import (BACKWARD_FORMS, KINDS, RULES, Action, is_recomputed,
-                            validate_recompute)
+from tfpipe.actions import (BACKWARD_FORMS, KINDS, RULES, Action, is_recomputed, validate_recompute)
 
 
 def _dependencies(action, num_stages, actions=()):
@@ -33,18 +29,15 @@ def _table(schedule, num_microbatches, num_devices):
                 raise ValueError(
                     f"Action {a} has kind {a.kind!r}; use one of "
                     + ", ".join(f"'{k}' ({kind.description})" for k, kind in KINDS.items())
-                    + "."
-                )
+                    + ".")
             if not (0 <= a.stage < k_count and 0 <= a.microbatch < num_microbatches):
                 raise ValueError(
                     f"Action {a} on device {d} is out of range: stages are 0..{k_count - 1} "
-                    f"and micro-batches 0..{num_microbatches - 1}."
-                )
+                    f"and micro-batches 0..{num_microbatches - 1}.")
             home = schedule.stage_device(a.stage, num_devices)
             if d != home:
                 raise ValueError(
-                    f"Action {a} is on device {d}, but stage {a.stage} lives on device {home}."
-                )
+                    f"Action {a} is on device {d}, but stage {a.stage} lives on device {home}.")
             if a in seen:
                 raise ValueError(f"Action {a} appears twice (devices {seen[a]} and {d}).")
             seen[a] = d
@@ -59,17 +52,14 @@ def _table(schedule, num_microbatches, num_devices):
                 raise ValueError(
                     f"{schedule!r} with M={num_microbatches}, D={num_devices} has both "
                     f"{names}: the backward of stage {s} on micro-batch {m} is either one B "
-                    f"or one I (input gradient) and one W (weight gradients), not both."
-                )
+                    f"or one I (input gradient) and one W (weight gradients), not both.")
             missing += [Action(k, s, m) for k in ("F",) + forms[0] if k not in present]
     if missing:
         names = ", ".join(str(a) for a in missing[:6])
         raise ValueError(
-            f"{schedule!r} with M={num_microbatches}, D={num_devices} is missing "
-            f"{len(missing)} action(s): {names}{' ...' if len(missing) > 6 else ''}. "
-            f"Every stage needs one F and one B per micro-batch (or, split, one I and "
-            f"one W instead of the B)."
-        )
+            f"{schedule!r} with M={num_microbatches}, D={num_devices} is missing {len(missing)} "
+            f"action(s): {names}{' ...' if len(missing) > 6 else ''}. Every stage needs one F and "
+            f"one B per micro-batch (or, split, one I and one W instead of the B).")
     return table, k_count
 
 
@@ -82,11 +72,9 @@ class Simulation:
       makespan: time from the first start to the last end (cost units).
       bubble_fraction: idle share of D * makespan device time.
       peak_activations: per device, the most stage activations alive at once
-        (the sum of the `KINDS` memory effects: forwards whose B or W has
-        not finished). With v stages per device each is 1/v of the
-        device's share of the model.
-      order: every (device, action) in start order, ties by device: an
-        order the engine can trace the step in.
+        (forwards whose B or W has not finished; each 1/v of the device's
+        share of the model).
+      order: every (device, action) in start order, ties by device.
     """
 
     timeline: list
@@ -99,8 +87,7 @@ class Simulation:
 def _cost_function(forward_cost, backward_cost, weight_cost, virtual_stages,
                    recompute="never", num_microbatches=None):
     """cost(action) in `simulate`'s units; checks weight_cost <= backward_cost.
-    Under `recompute` the action that needs a replayed micro-batch's
-    activations first (its B or I) also pays the stage's forward."""
+    A replayed micro-batch's B or I also pays the stage's forward."""
 
     def per_stage(value, stage):
         if isinstance(value, (int, float)):
@@ -114,8 +101,7 @@ def _cost_function(forward_cost, backward_cost, weight_cost, virtual_stages,
             raise ValueError(
                 f"weight_cost must be between 0 and backward_cost (W is part of the backward; "
                 f"I costs the rest), got weight_cost={weight_cost!r} and "
-                f"backward_cost={backward_cost!r} (stage {stage}: {weight} of {backward})."
-            )
+                f"backward_cost={backward_cost!r} (stage {stage}: {weight} of {backward}).")
         return {"forward": lambda: per_stage(forward_cost, stage), "backward": lambda: backward,
                 "input": lambda: backward - weight, "weight": lambda: weight}[name]()
 
@@ -161,8 +147,7 @@ def _run(table, k_count, cost, describe):
                     blocked.append(f"device {d} waits at {action} for {', '.join(need)}")
             raise ValueError(
                 f"{describe} runs an action before its inputs exist, so it would deadlock: "
-                f"{'; '.join(blocked)}. {RULES}"
-            )
+                f"{'; '.join(blocked)}. {RULES}")
         start, d, action = best
         end = start + cost(action)
         finish[action] = end
@@ -186,44 +171,29 @@ def simulate(schedule, num_microbatches, num_devices, forward_cost=1.0, backward
     """Runs the schedule on an idealised machine; validates it on the way.
 
     Each device runs its actions in order; an action starts when its device is
-    free and its dependencies have finished (communication is free). Costs are
-    for one device's share of the model per micro-batch: with v stages per
-    device each stage's forward costs `forward_cost / v`. B costs
-    `backward_cost`; a split backward costs the same in two parts: W costs
-    `weight_cost` and I the rest.
+    free and its dependencies have finished (communication is free).
 
     Args:
-      schedule: a schedule instance or name.
-      num_microbatches: M.
-      num_devices: D.
-      forward_cost, backward_cost: float, or a list of K per-stage costs.
-      weight_cost: float or a list of K per-stage costs, at most
-        `backward_cost`; None: half of `backward_cost`.
-      recompute: "never", "always" or "except_last" (`RECOMPUTE_MODES`): a
-        micro-batch that replays its forward (`is_recomputed`) pays the
-        stage's forward cost again in its B (or I), so `backward_cost` is
-        the backward alone. With the defaults, GPipe's recompute step is
-        `simulate(s, M, D, recompute="always")`: a backward of 3 forwards.
-    Returns:
-      A `Simulation`.
-    Raises:
-      ValueError: the schedule is malformed (an action out of range, twice,
-        missing, or on the wrong device; a B together with an I or W) or runs
-        an action before its inputs exist (the schedule would deadlock); the
-        message names the actions.
+      forward_cost, backward_cost: a float (one device's share of the model
+        per micro-batch, divided among its v stages) or a list of K
+        per-stage costs. A split backward costs B's in two parts.
+      weight_cost: W's part of `backward_cost` (float or K list; I costs the
+        rest); None: half.
+      recompute: a `RECOMPUTE_MODES` policy: a replayed micro-batch
+        (`is_recomputed`) pays the stage's forward again in its B (or I).
+    Returns a `Simulation`. Raises ValueError naming the actions if one is
+    out of range, twice, missing or on the wrong device, a B is with an I or
+    W, or one runs before its inputs exist (a deadlock).
     """
     table, k_count = _table(schedule, num_microbatches, num_devices)
     cost = _cost_function(forward_cost, backward_cost, weight_cost, schedule.virtual_stages,
                           recompute, num_microbatches)
-    return _run(table, k_count, cost,
-                f"{schedule!r} with M={num_microbatches}, D={num_devices}")
+    return _run(table, k_count, cost, f"{schedule!r} with M={num_microbatches}, D={num_devices}")
 
 
 def validate(schedule, num_microbatches, num_devices):
     """Checks `schedule` for (M, D); returns the (device, action) run order.
-
-    Raises ValueError naming the problem (see `simulate`).
-    """
+    Raises ValueError naming the problem (see `simulate`)."""
     return simulate(schedule, num_microbatches, num_devices).order
 
 
@@ -232,17 +202,13 @@ def clock_ticks(schedule, num_microbatches, num_devices, forward_only=False, cos
 
     Args:
       forward_only: keep only the F actions (evaluation and prediction).
-      costs: None: lock-step, every action takes one tick and a device runs
-        its next action at the first tick after its inputs exist. Or
-        (forward_cost, backward_cost, weight_cost) as in `simulate`: the
-        ticks follow the simulated event order instead; a tick starts at
-        every distinct simulated start time and each action sits at the tick
-        where it starts, its device idle (None) in the ticks in between.
+      costs: None: lock-step, a device runs its next action at the first
+        tick after its inputs exist. Or (forward_cost, backward_cost,
+        weight_cost) as in `simulate`: a tick at every distinct simulated
+        start time, each action at the tick where it starts.
     Returns:
-      A list of T ticks, each a list of D entries: the `Action` device d runs
-      at that tick, or None (idle). An action's dependencies all ran at
-      earlier ticks, and each device's actions keep their table order. Used
-      by the engine's loop form (`tfpipe.loop`).
+      T ticks, each a list of D entries: the `Action` device d runs then, or
+      None. Dependencies run at earlier ticks; table order is kept.
     """
     table, k_count = _table(schedule, num_microbatches, num_devices)
     if forward_only:
@@ -251,8 +217,7 @@ def clock_ticks(schedule, num_microbatches, num_devices, forward_only=False, cos
         forward, backward, *weight = costs
         cost = _cost_function(forward, backward, weight[0] if weight else None,
                               schedule.virtual_stages)
-        sim = _run(table, k_count, cost,
-                   f"{schedule!r} with M={num_microbatches}, D={num_devices}")
+        sim = _run(table, k_count, cost, f"{schedule!r} with M={num_microbatches}, D={num_devices}")
         return _event_ticks(sim, k_count, num_devices)
     actions = {a for row in table for a in row}
     done, pos, ticks = set(), [0] * num_devices, []

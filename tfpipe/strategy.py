@@ -20,62 +20,31 @@ class PipelineStrategy(tf.distribute.Strategy):
     stages live on `devices`.
 
     Variables created under `scope()` go where the enclosing `tf.device` puts
-    them (tfpipe builds stage k under `devices[k]`), optimizer slots go next to
-    their variable, and each optimizer update runs on its variable's device.
+    them, optimizer slots and updates with their variable.
 
     Args:
-      devices: device names. Stage k goes on `devices[k]` (GPipe, 1F1B), or
-        on `devices[k mod D]` with `Interleaved`. Default: all logical GPUs,
-        or all logical CPUs if there is no GPU. A remote device names its
-        task (`"/job:worker/task:1/device:CPU:0"`; without the task it is
-        refused when several tasks have it). On a client connected to a
-        cluster there is no default (it would put stage 0 on the client):
-        pass `devices=tfpipe.cluster.worker_devices()`.
-        A list of R lists of D devices is a grid: row r is replica r's
-        pipeline, column k holds pipeline slot k of every replica.
-      num_replicas: R, data-parallel replicas: the devices (given as a flat
-        list, or the default ones) are split into R rows of D = len / R, in
-        order. Each replica trains on 1/R of every global batch; each stage's
-        variables and optimizer slots are mirrored over its column of the
-        grid, and their gradients summed over it, so training equals one
-        pipeline (and plain Keras) on the global batch.
-        `num_replicas_in_sync` is R.
+      devices: device names, stage k on `devices[stage_device(k)]`. Default:
+        all logical GPUs, else all logical CPUs; none on a client connected
+        to a cluster (pass `tfpipe.cluster.worker_devices()`). A list of R
+        lists of D devices is a grid: row r is replica r's pipeline.
+      num_replicas: R: a flat (or default) device list is split into R rows.
+        Each replica trains on 1/R of every global batch; stage variables are
+        mirrored over their grid column and their gradients summed.
       cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`
-        (e.g. `TFConfigClusterResolver()`) for multi-client data
-        parallelism: every worker process of the cluster runs the same
-        program with its own `TF_CONFIG` task and is one replica, whose
-        pipeline runs on this process's `devices` (default: its local
-        devices). Gradients and metrics are summed over the workers with TF's
-        collective ops; R is the number of workers. Make the strategy before
-        anything else runs TensorFlow ops (it starts this worker's server).
-
-    The other arguments are the defaults of the models made in this scope
-    (each model owns its `tfpipe.config.PipelineConfig`); None means the
-    library default. Settings given here explicitly also override those a
-    saved model is loaded with in this scope.
-
-      num_microbatches: M, micro-batches per mini-batch (default 1).
-      schedule: `"gpipe"` (default), `"1f1b"`, `"interleaved"` (2 stages per
-        device) or a `tfpipe.schedules.Schedule` instance such as
-        `Interleaved(virtual_stages=4)` or a `Table` of actions.
-      recompute: `"always"`, `"except_last"` or `"never"`; default
-        `"except_last"` (unrolled) or `"always"` (loop).
-      execution: `"unrolled"` (every action is traced, so the graph grows
-        with M), `"stage_functions"` (the same walk, each stage traced once as
-        a `tf.function` and called per micro-batch: trace time grows far less
-        with M; see `tfpipe.runtime.StageFunction`) or `"loop"` (a
-        `tf.while_loop` over clock ticks, traced once whatever M; implies
-        recompute `"always"`; see `tfpipe.loop`). Default: chosen per model
-        by `tfpipe.config.default_execution`, `"stage_functions"` from M=8 on
-        unless the schedule splits the backward, else `"unrolled"`.
-      batch_norm: `"deferred"` (default) or `"plain"`; see `tfpipe.batchnorm`.
+        for multi-client data parallelism: each worker process of the
+        cluster is one replica, its pipeline on this process's `devices`
+        (default: its local devices); gradients and metrics are summed with
+        TF's collective ops. Make the strategy before any other TF op.
+      num_microbatches, schedule, recompute, execution, batch_norm: the
+        defaults of models made in this scope (`tfpipe.config.PipelineConfig`;
+        None: the library default). Settings given here explicitly also
+        override those of a saved model loaded in this scope.
 
     >>> tfpipe.testing.use_logical_cpus(4)               # doctest: +SKIP
     >>> strategy = tfpipe.PipelineStrategy(num_microbatches=8)
     >>> strategy.num_stages, strategy.num_microbatches   # doctest: +SKIP
     (4, 8)
     """
-
 
     def __init__(self, devices=None, num_microbatches=None, schedule=None,
                  recompute=None, execution=None, batch_norm=None, num_replicas=None,
@@ -84,10 +53,9 @@ class PipelineStrategy(tf.distribute.Strategy):
                      recompute=recompute, execution=execution, batch_norm=batch_norm)
         self._given = {k: v for k, v in given.items() if v is not None}
         self._config = config_lib.PipelineConfig.make(**self._given)
-        # Read by TF's mirrored and collective machinery: its collective group
-        # keys start there. Two grids in one process must not share keys (TF
-        # refuses a group key reused for other devices); every worker process
-        # runs the same program, so the n-th strategy gets the same base in each.
+        # TF's collective group keys start here: two grids in one process must
+        # not share keys, and the n-th strategy gets the same base in every
+        # worker process (each runs the same program).
         self._collective_key_base = _COLLECTIVE_KEY_STRIDE * next(_STRATEGIES_MADE)
         if cluster_resolver is not None:
             if num_replicas is not None:
@@ -145,28 +113,20 @@ class PipelineStrategy(tf.distribute.Strategy):
         return schedule.num_stages(len(self._devices))
 
     def pipeline_devices(self, num_stages, schedule=None, replica=0):
-        """(devices, stage_devices) for a model of `num_stages` stages.
-
-        `devices` are the D devices replica `replica`'s pipeline uses (the
-        first D of its row of the grid); `stage_devices[k]` is the one
-        holding stage k. `schedule` defaults to the strategy's.
-
-        Raises:
-          ValueError: the schedule cannot place `num_stages` stages here.
-        """
+        """(devices, stage_devices) for a model of `num_stages` stages: the D
+        devices replica `replica`'s pipeline uses (the first D of its grid
+        row) and the one holding each stage. `schedule` defaults to the
+        strategy's. Raises ValueError if it cannot place them here."""
         schedule = self._config.schedule if schedule is None else schedules.get(schedule)
         count = schedules.devices_needed(schedule, num_stages)
         if count > len(self._devices):
             most = schedule.num_stages(len(self._devices))
             raise ValueError(
-                f"{num_stages} stages but the strategy has only {most} "
-                f"stage slots on {len(self._devices)} devices ({list(self._devices)}); "
-                f"use at most {most} stages, or more devices (e.g. "
-                f"tfpipe.testing.use_logical_cpus({count}) on CPU)."
-            )
+                f"{num_stages} stages but the strategy has only {most} stage slots on "
+                f"{len(self._devices)} devices ({list(self._devices)}); use at most {most} stages, "
+                f"or more devices (e.g. tfpipe.testing.use_logical_cpus({count}) on CPU).")
         devices = self._grid[replica][:count]
-        return devices, tuple(devices[schedule.stage_device(k, count)]
-                              for k in range(num_stages))
+        return devices, tuple(devices[schedule.stage_device(k, count)] for k in range(num_stages))
 
     @property
     def config(self):
@@ -198,25 +158,15 @@ class PipelineStrategy(tf.distribute.Strategy):
         c = self._config
         devices = ([list(row) for row in self._grid] if len(self._grid) > 1
                    else list(self._devices))
-        return (f"PipelineStrategy(devices={devices}, "
-                f"num_microbatches={c.num_microbatches}, "
-                f"schedule={c.schedule!r}, recompute={c.recompute!r}, "
-                f"execution={c.execution!r}, batch_norm={c.batch_norm!r})")
+        return (f"PipelineStrategy(devices={devices}, num_microbatches={c.num_microbatches}, "
+                f"schedule={c.schedule!r}, recompute={c.recompute!r}, execution={c.execution!r}, "
+                f"batch_norm={c.batch_norm!r})")
 
 
 def device_grid(devices, num_replicas=None):
-    """The R x D grid of canonical device names `devices` describe.
-
-    Args:
-      devices: one name, a flat list (one pipeline, or R rows of it with
-        `num_replicas=R`), or a list of R equally long lists (rows).
-      num_replicas: R; None means one row for a flat list, the number of
-        rows for a grid.
-    Returns:
-      A tuple of R tuples of D device names.
-    Raises:
-      ValueError: naming the argument, the value and the fix.
-    """
+    """The R x D grid (a tuple of R tuples) of canonical device names that
+    `devices` describe: one name, a flat list (cut into `num_replicas` rows;
+    None: one), or a list of R equally long rows. Raises ValueError."""
     if isinstance(devices, str):
         devices = [devices]
     devices = list(devices)
@@ -231,9 +181,8 @@ def device_grid(devices, num_replicas=None):
         rows = [list(row) for row in devices]
         if len({len(row) for row in rows}) != 1 or not rows[0]:
             raise ValueError(
-                f"PipelineStrategy devices={devices!r}: every row (replica) needs the "
-                f"same number of devices, at least one; got rows of "
-                f"{[len(row) for row in rows]}.")
+                f"PipelineStrategy devices={devices!r}: every row (replica) needs the same number "
+                f"of devices, at least one; got rows of {[len(row) for row in rows]}.")
         if num_replicas is not None and num_replicas != len(rows):
             raise ValueError(
                 f"PipelineStrategy num_replicas={num_replicas!r} but devices has "

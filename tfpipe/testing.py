@@ -5,12 +5,9 @@ import tensorflow as tf
 
 
 def use_logical_cpus(n):
-    """Splits the physical CPU into `n` logical devices (`/device:CPU:0..n-1`).
+    """Splits the physical CPU into `n` logical devices (`/device:CPU:0..n-1`)
+    before TensorFlow initialises its devices; again with the same `n`, a no-op.
 
-    Must run before TensorFlow initialises its devices (before the first op or
-    device query). Calling it again with the same `n` is a no-op.
-
-    >>> import tfpipe
     >>> tfpipe.testing.use_logical_cpus(4)  # doctest: +SKIP
 
     Raises:
@@ -25,8 +22,7 @@ def use_logical_cpus(n):
         return
     try:
         tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
-        )
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
     except RuntimeError:
         have = len(tf.config.list_logical_devices("CPU"))
         if have == n:

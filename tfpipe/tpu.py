@@ -1,22 +1,9 @@
 """Pipeline stages on the cores of a TPU replica.
 
-A `tf.distribute.TPUStrategy` built with a `tf.tpu.experimental.DeviceAssignment`
-of K cores per replica runs R replicas data-parallel; inside each replica its
-logical cores 0..K-1 are the pipeline's devices, and tfpipe puts stage k on
-logical core k (`tfpipe.devices.LogicalCore`, which enters
-`strategy.extended.experimental_logical_device(k)`). The whole replica step is
-one XLA program: cross-core edges become XLA transfers, inputs arrive on core
-0, shapes must be static (`tfpipe.xla.check_static_batch`), and Keras reduces
-the replicas' outputs with "first".
-
-Logical core k is not TPU device k: the device assignment packs a replica's
-cores as a ring or mesh of the physical topology. `stage_cores` says, per
-replica and stage, which host task and which TPU core ordinal that is (for
-placing input pipelines, reading profiles, or checking a layout by hand).
-
-Nothing here has run on TPU hardware; `stage_cores` is pure Python over
-`Topology`/`DeviceAssignment` objects and is tested on CPU (BUILD.md, "TPU and
-XLA").
+tfpipe puts stage k on logical core k of every replica of a TPUStrategy
+(`tfpipe.devices.LogicalCore`); the replica step is one XLA program, so
+shapes must be static. Logical core k is not TPU device k: `stage_cores` says
+which host task and core ordinal it is. Untested on TPU hardware.
 """
 
 import typing
@@ -24,20 +11,12 @@ import typing
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import _internal
-
 
 class StageCore(typing.NamedTuple):
-    """Where stage `stage` of replica `replica` runs.
-
-    Attributes:
-      replica: the replica index r (0..R-1).
-      stage: the stage index k (0..K-1).
-      logical_core: the device assignment's logical core (== stage).
-      task: the host task (TPU worker) whose TPU device it is.
-      ordinal: the TPU core ordinal within that task (`/device:TPU:<ordinal>`).
-      coordinates: the physical (x, y, z, core) coordinates.
-    """
+    """Where stage `stage` of replica `replica` runs: its `logical_core`
+    (== stage), the host `task` whose TPU device it is, the core `ordinal`
+    in that task (`/device:TPU:<ordinal>`) and the physical (x, y, z, core)
+    `coordinates`."""
 
     replica: int
     stage: int
@@ -50,16 +29,9 @@ class StageCore(typing.NamedTuple):
 def stage_cores(device_assignment, num_stages):
     """The host task and TPU core ordinal of each stage of each replica.
 
-    Args:
-      device_assignment: a `tf.tpu.experimental.DeviceAssignment` with K
-        cores per replica, e.g. `DeviceAssignment.build(topology,
-        computation_shape=[2, 2, 1, 2], num_replicas=1)` for K = 8.
-      num_stages: K, the pipeline's stage count (stage k on logical core k).
-    Returns:
-      A tuple of R tuples of K `StageCore`s: `result[r][k]`.
-    Raises:
-      ValueError: `device_assignment` is not a DeviceAssignment, or
-        `num_stages` is not a positive int equal to its cores per replica.
+    Returns R tuples of K `StageCore`s (`result[r][k]`) for a
+    `tf.tpu.experimental.DeviceAssignment` with K = `num_stages` cores per
+    replica; raises ValueError for anything else.
 
     >>> topology = tf.tpu.experimental.Topology(                 # doctest: +SKIP
     ...     mesh_shape=[2, 2, 1, 2], device_coordinates=coords)  # one v3-8 host
@@ -105,8 +77,3 @@ def is_tpu_strategy(strategy):
                               getattr(tf.compat.v1.distribute.experimental, "TPUStrategy",
                                       None)) if k is not None)
     return isinstance(strategy, kinds)
-
-
-def cores_per_replica(strategy):
-    """K, the logical cores in each replica of a TPUStrategy."""
-    return _internal.tpu_cores_per_replica(strategy)

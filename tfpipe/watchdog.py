@@ -1,26 +1,10 @@
 """`StepWatchdog`: a frozen worker ends the run, naming the task, instead of hanging it.
 
-When a worker of a connected cluster dies, the client's next step raises
-`UnavailableError` at once. When one freezes (SIGSTOP, a hung host, a network
-partition), TensorFlow waits for it forever: `operation_timeout_in_ms`, async
-execution and the coordination service do not bound the wait, gRPC
-keepalives kill healthy idle connections, and `context.check_alive` on a
-frozen task blocks too. So the watchdog asks the kernel instead:
-
-    main thread:   fit -> callback hooks mark progress (every batch/epoch hook)
-    watch thread:  every `poll_s`: no progress for `timeout_s`?
-                     -> probe every task's port (HTTP/2 preface, expect the
-                        server's SETTINGS frame within `probe_timeout_s`)
-                     -> a task is "silent" (accepts, never answers: frozen) or
-                        "dead" (refuses: gone): print which to stderr and
-                        os._exit(exit_code) (the main thread is blocked inside
-                        TensorFlow; nothing else would stop it)
-                     -> every task answers: the step is slow, not stuck; say so
-                        once and wait another `timeout_s`
-
-A run ends within `timeout_s` + `poll_s` + 2 probes of the freeze (measured in
-BUILD.md, "Several hosts"). Checkpoints are never left half-committed by the
-exit: a checkpoint counts only once its manifest is written, last.
+A frozen worker (SIGSTOP, a hung host, a partition) makes TensorFlow wait
+forever. Once `fit`'s hooks show no progress for `timeout_s`, a watch thread
+probes every task's port (`tfpipe.cluster.probe_task`); a task that fails two
+probes is named on stderr and the process ends with `os._exit` (the main
+thread is blocked inside TensorFlow); else the step is slow, and it waits on.
 """
 
 import os
@@ -34,21 +18,17 @@ from tfpipe import cluster as cluster_lib
 
 EXIT_CODE = 4  # launch.train's exit code for a lost worker, too
 
+
 class StepWatchdog(keras.callbacks.Callback):
     """Ends the process when a step stalls because a worker froze or died.
 
     Args:
-      timeout_s: seconds without progress (no batch or epoch hook of `fit`,
-        `evaluate` or `predict`) before the tasks are probed. More than the
-        slowest step, the first (tracing) one included.
-      cluster: what `tfpipe.cluster.cluster_spec` takes (a LocalCluster, a
-        ClusterSpec, a resolver, ...); None: the cluster of the last
-        `tfpipe.cluster.connect()`.
-      probe_timeout_s: seconds a task has to answer its probe. A task must
-        fail two probes in a row.
-      exit_code: the process's exit status when it ends it (default 4).
-      poll_s: how often the watch thread looks, in seconds.
-
+      timeout_s: seconds without a batch or epoch hook before the tasks are
+        probed: more than the slowest step, the first (tracing) one included.
+      cluster: what `tfpipe.cluster.cluster_spec` takes; None: the cluster of
+        the last `tfpipe.cluster.connect()`.
+      probe_timeout_s: seconds a task has to answer each of its two probes.
+      exit_code, poll_s: the exit status, and how often the thread looks.
     Raises:
       ValueError: a bad number, or no cluster given nor connected.
     """
@@ -75,8 +55,6 @@ class StepWatchdog(keras.callbacks.Callback):
         self._where = "the start of training"
         self._stop = threading.Event()
         self._thread = None
-
-    # -- progress: every hook of the main thread ------------------------------------
 
     def _progress(self, where):
         with self._progress_lock:
@@ -111,8 +89,6 @@ class StepWatchdog(keras.callbacks.Callback):
 
     def on_test_batch_end(self, batch, logs=None):
         self._progress(f"the callbacks after validation step {batch + 1}")
-
-    # -- the watch thread ---------------------------------------------------------------
 
     def _watch(self):
         warned_at = None  # the progress mark of the stall already reported as slow

@@ -1,21 +1,10 @@
 """A step compiled as one XLA program: when it is allowed, and the static
 shapes it needs.
 
-`PipelinedModel.compile(jit_compile=True)` makes Keras trace the whole
-training step (every stage, every micro-batch, the optimizer update) into one
-XLA program. That is right when every stage sits on one device: interleaved or
-segmented stages on one CPU or GPU, or the cores of one TPU replica (there XLA
-itself moves tensors between cores). On several ordinary devices one XLA
-cluster would pull every stage onto one device, so it is refused
-(`check_jit_compile`).
-
-XLA compiles one program per input shape. The unrolled step slices each
-micro-batch with sizes known when it compiles, so a ragged last batch only
-costs another compilation. The loop step (`tfpipe.loop`) keeps micro-batches
-in TensorLists, which under XLA hold elements of one shape: every micro-batch
-must have exactly N / M rows (`tfpipe.microbatch.Split.assume_equal`), so
-every batch's N must be a multiple of M. A TPU needs static shapes whatever
-the execution. `check_static_batch` says so before training, naming the fix.
+`jit_compile=True` is right when every stage sits on one device or on the
+cores of one TPU replica, and refused on several devices (one XLA cluster
+would pull every stage onto one). The loop step's TensorLists and a TPU need
+every batch's N to be a multiple of M (`check_static_batch`).
 """
 
 import numpy as np
@@ -31,14 +20,8 @@ def in_xla_program():
 
 
 def check_jit_compile(pipeline_devices, on_tpu=False):
-    """Refuses `jit_compile=True` for a pipeline over several non-TPU devices.
-
-    Args:
-      pipeline_devices: the D device names the schedule runs on.
-      on_tpu: whether the stages are the logical cores of a TPU replica.
-    Raises:
-      ValueError: D > 1 and not on a TPU.
-    """
+    """Refuses `jit_compile=True` (ValueError) for a pipeline over several
+    `pipeline_devices` unless they are the logical cores of a TPU replica."""
     if on_tpu or len(set(pipeline_devices)) <= 1:
         return
     raise ValueError(
@@ -58,19 +41,10 @@ def _leading_dim(spec):
 
 
 def static_batch_problem(x, batch_size, num_microbatches):
-    """What keeps the batches of `x` from all having one static size that is
-    a multiple of `num_microbatches`, or None if nothing does (or if `x` is a
-    generator or `keras.utils.PyDataset`, whose batches are unknown until
-    they come).
-
-    Args:
-      x: what `fit`/`evaluate`/`predict` take: a `tf.data.Dataset`, or a nest
-        of arrays (NumPy, tensors) with the examples on axis 0.
-      batch_size: the `batch_size` argument (None: Keras' 32 for arrays).
-      num_microbatches: M.
-    Returns:
-      A sentence (str) or None.
-    """
+    """A sentence saying what keeps the batches of `x` (what `fit` takes: a
+    `tf.data.Dataset` or a nest of arrays) from all having one static size
+    that is a multiple of `num_microbatches`; None if nothing does, or if `x`
+    is a generator or `PyDataset`. `batch_size` None: Keras' 32 for arrays."""
     m = int(num_microbatches)
     if x is None:
         return None
@@ -101,20 +75,15 @@ def static_batch_problem(x, batch_size, num_microbatches):
 
 
 def check_static_batch(x, batch_size, num_microbatches, what, reason):
-    """Raises a `ValueError` naming the fix if `static_batch_problem` finds one.
-
-    Args:
-      x, batch_size, num_microbatches: as for `static_batch_problem`.
-      what: the call, e.g. `"fit"`, for the message.
-      reason: why static batches are needed, e.g. `"a TPU"`.
-    """
+    """Raises a `ValueError` naming the fix if `static_batch_problem` finds
+    one; `what` is the call (`"fit"`), `reason` why static batches are needed
+    (`"a TPU"`)."""
     problem = static_batch_problem(x, batch_size, num_microbatches)
     if problem is None:
         return
     m = int(num_microbatches)
     raise ValueError(
-        f"{what}: {reason} needs every batch to have the same static size, a multiple "
-        f"of num_microbatches={m}, but {problem}. Use a tf.data.Dataset batched with "
-        f".batch(n, drop_remainder=True) where n is a multiple of {m} (a ragged batch "
-        f"needs drop_remainder=True), or arrays whose length is a multiple of "
-        f"batch_size.")
+        f"{what}: {reason} needs every batch to have the same static size, a multiple of "
+        f"num_microbatches={m}, but {problem}. Use a tf.data.Dataset batched with .batch(n, "
+        f"drop_remainder=True) where n is a multiple of {m} (a ragged batch needs "
+        f"drop_remainder=True), or arrays whose length is a multiple of batch_size.")
