@@ -1,24 +1,11 @@
 """tfpipe: GPipe-style pipeline-parallel training for TensorFlow 2 / Keras 3.
 
-The public surface is what `__all__` names: `PipelineStrategy` (devices),
-`PipelinedModel` (the Keras face), `PipelineConfig` and `config` (the one
-owner of M, schedule, recompute, execution and BatchNorm mode),
-`schedules` (schedules as data), `plan` (what a configuration costs),
-`load_model` and `to_keras` (layouts), `profile` (a measured step),
-`StepWatchdog`, `watchdog` and `cluster` (several hosts), `testing`
-(logical CPU devices). The other modules are the implementation.
-
-Names are imported when first used (PEP 562), so `import tfpipe.config,
-tfpipe.schedules` does not start TensorFlow: `launch/` checks its flags with
-them before TensorFlow loads.
-
-Module map (calls go down): `model` (Keras face) -> `engine` (a pipeline;
-builds the `step_plan`) -> `unrolled` / `loop` (backends: how a step is
-walked) -> `runtime` (the action interpreter) -> `stage` (one stage's
-forward, backward and replay) -> `boundary`, `loss`, `batchnorm`,
-`recompute`, `gradients`, `microbatch` -> `schedules` / `simulation` /
-`actions` and `config` (pure Python) and `_internal` (every private TF/Keras
-API).
+The public surface is what `__all__` names, imported when first used (PEP
+562) so that `import tfpipe.config` does not start TensorFlow. Calls go down:
+`model` -> `engine` -> `unrolled` / `loop` -> `runtime` -> `stage` ->
+`boundary`, `loss`, `batchnorm`, `recompute`, `gradients`, `microbatch` ->
+`schedules`, `simulation`, `actions`, `config` (pure Python) and `_internal`
+(every private TF/Keras API).
 """
 
 import importlib

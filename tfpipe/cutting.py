@@ -1,29 +1,9 @@
 """Cutting a model's graph (`tfpipe.graph`) into K contiguous stages.
 
-`balance=[n0, n1, ...]` gives stage k the next `n_k` units. Each stage
-becomes a `GraphStage` layer. Its input is the nest of every tensor that
-crosses into it, its output the nest of every tensor that a later stage or
-the model's output needs: a skip connection from stage 0 to stage 3 is an
-extra output of stage 0 that stages 1 and 2 pass through unchanged (so it
-travels stage to stage, device to device, like the main path). Stage 0 takes
-the model's input structure, the last stage returns the model's output
-structure; between stages a single crossing tensor is passed as a tensor, two
-or more as a list (in the order they were produced).
-
-Nothing is copied: every unit calls the user's own layer object, so a layer
-called at several nodes (a shared layer, GPT-2's tied token embedding) is
-the same object in every stage that calls it.
-
->>> import keras
->>> from tfpipe import graph
->>> inputs = keras.Input((4,))
->>> h = keras.layers.Dense(4, name="a")(inputs)
->>> out = keras.layers.Dense(4, name="b")(h) + h          # a skip over "b"
->>> model = graph.model_graph(keras.Model(inputs, out))
->>> boundaries(model, [1, 2])                              # what crosses the cut
-[['a']]
->>> boundaries(model, [2, 1])
-[['a', 'b']]
+`balance=[n0, n1, ...]` gives stage k the next `n_k` units, as a `GraphStage`
+whose input is every tensor crossing into it and whose output every tensor a
+later stage or the model's output needs (a skip passes through the stages in
+between). The units call the user's own layer objects: nothing is copied.
 """
 
 import keras
@@ -85,21 +65,14 @@ def boundaries(graph, balance):
 
 
 def cut_model(model, balance, num_stages, sample=None):
-    """`from_model`'s cut: (graph, balance, method, unbuilt stages) of `model`
-    for `balance` (see `tfpipe.partition.choose_balance`) over at most
-    `num_stages` stages."""
+    """`from_model`'s cut: (graph, balance, method, unbuilt stages) over <= `num_stages`."""
     graph = graph_lib.model_graph(model)
     balance, method = partition.choose_balance(graph, balance, num_stages, sample)
     return graph, balance, method, make_stages(graph, balance)
 
 
 def make_stages(graph, balance):
-    """Unbuilt stage layers for `balance`, holding the model's own layers.
-
-    A Sequential model gives `keras.Sequential` stages; any other a
-    `GraphStage` per stage. Nothing is copied: a layer called in several
-    stages (shared weights) is the same object in each.
-    """
+    """Unbuilt stage layers (Sequentials or `GraphStage`s) holding the model's own layers."""
     stages = []
     for k, piece in enumerate(cut(graph, balance)):
         if graph.sequential:
@@ -114,31 +87,9 @@ def make_stages(graph, balance):
 
 
 class GraphStage(keras.layers.Layer):
-    """A contiguous piece of a functional graph, run as one layer.
-
-    Made by `PipelinedModel.from_model`; `tfpipe.graph.cut` says what crosses
-    into and out of each piece. It runs the model's own layer objects (not
-    copies), so their weights, adapted state and sharing stay the user's.
-
-    Args:
-      units: the `Unit`s of the piece, in call order (`unit.op` is called).
-      inputs: template (nest of `Ref`) matching the structure this stage is
-        called with.
-      outputs: template of what it returns.
-      input_specs: {tensor id: (shape, dtype)} of the inputs (for `build`)
-        and, when known, of the outputs (for `compute_output_spec`).
-      input_kinds: {tensor id: {"sparse": True} or {"ragged": True}} for
-        those that are SparseTensors or RaggedTensors.
-
-    >>> import keras
-    >>> inputs = keras.Input((4,))
-    >>> out = keras.layers.Dense(4)(inputs) + inputs
-    >>> g = graph.model_graph(keras.Model(inputs, out))
-    >>> [piece] = cut(g, [2])
-    >>> stage = GraphStage(piece.units, piece.inputs, piece.outputs, {0: g.specs[0]})
-    >>> stage(keras.ops.ones((2, 4))).shape
-    TensorShape([2, 4])
-    """
+    """A contiguous piece of a functional graph run as one layer: `units` in
+    call order, `inputs` and `outputs` templates (nests of `Ref`), and
+    `input_specs` / `input_kinds` of its inputs (and known outputs)."""
 
     def __init__(self, units, inputs, outputs, input_specs, input_kinds=None, **kwargs):
         kwargs.setdefault("autocast", False)  # the layers inside cast for themselves
@@ -155,8 +106,7 @@ class GraphStage(keras.layers.Layer):
             list(units), inputs, outputs,
             {int(i): (tuple(s) if s is not None else None, d)
              for i, (s, d) in dict(input_specs).items()},
-            dict(input_kinds or {}),
-        )
+            dict(input_kinds or {}))
 
     @property
     def operations(self):
@@ -184,9 +134,6 @@ class GraphStage(keras.layers.Layer):
             structure = [structure]
         return flatten_like(template, structure, self.name)
 
-    def _run(self, env, training):
-        return run_units(self._program.units, env, training)
-
     def build(self, input_shape):
         if all(getattr(op, "built", True) for op in self._operations):
             self.built = True  # the model's own layers: built with the model
@@ -195,15 +142,12 @@ class GraphStage(keras.layers.Layer):
         for i, shape in zip(self.input_ids, self._flatten_inputs(input_shape, leaf_is_shape=True)):
             env[i] = keras.KerasTensor(tuple(shape), dtype=self._program.specs[i][1],
                                        **self._program.kinds.get(i, {}))
-        # Calling each layer on symbolic inputs builds any unbuilt one eagerly,
-        # here: under whatever tf.device the caller (PipelinedModel.build) entered.
-        self._run(env, training=False)
+        # Builds any unbuilt layer under the caller's tf.device.
+        run_units(self._program.units, env, training=False)
         self.built = True
 
     def compute_output_spec(self, inputs, training=None):
-        """The outputs' specs, as the model recorded them (Keras' generic
-        inference would trace the layers on dense placeholders, which a
-        ragged input breaks)."""
+        """The recorded output specs (Keras' dense placeholders break ragged inputs)."""
         program = self._program
         if not all(i in program.specs and program.specs[i][0] is not None
                    for i in self.output_ids):
@@ -227,7 +171,7 @@ class GraphStage(keras.layers.Layer):
             elif shape is not None and len(x.shape) == len(shape) - 1 and shape[-1] == 1:
                 x = keras.ops.expand_dims(x, axis=-1)
             env[i] = x
-        self._run(env, training)
+        run_units(self._program.units, env, training)
         return fill(self._program.outputs, env)
 
 

@@ -1,19 +1,9 @@
 """A pipeline: K stages on D devices under a schedule, and its executions.
 
-`Pipeline` owns what does not depend on how a step is executed: the stages,
-their devices and the trace options. It builds the `tfpipe.step_plan.StepPlan`
-its backend runs (the backend, the interpreter and the stages see that plan,
-never the `Pipeline`); the config's execution picks the backend:
-
-  "unrolled" (`tfpipe.unrolled`): every action traced in the schedule's order;
-  "stage_functions": the same walk, each stage traced once as a `tf.function`
-    and called by every action (`tfpipe.stage.StageFunction`);
-  "loop" (`tfpipe.loop`): a `tf.while_loop` over clock ticks, traced once.
-
-Gradients are summed per variable over micro-batches and over every stage
-that uses the variable (a shared layer, a tied embedding), on the variable's
-own device, and returned for one optimizer update. A trainable variable that
-no gradient reaches is reported by `PipelinedModel`, never fed a zero.
+`Pipeline` owns the stages, their devices and the trace options, and builds
+the `tfpipe.step_plan.StepPlan` its backend (`BACKENDS`, by execution) runs.
+Gradients are summed per variable over micro-batches and stages, on the
+variable's own device.
 """
 
 import functools
@@ -31,9 +21,7 @@ call_scope = stage_lib.call_scope
 
 
 def in_call_scope(function, config):
-    """`function` (a step Keras made) called in the `call_scope` of
-    `config`'s execution, once however often it is wrapped; itself where
-    the execution needs no scope."""
+    """`function` (a Keras step) run in `config`'s `call_scope`, wrapped once."""
     if (function is None or not config.traits.stage_functions
             or getattr(function, "tfpipe_call_scope", False)):
         return function
@@ -50,18 +38,9 @@ BACKENDS = {"unrolled": unrolled.UnrolledBackend,
 
 
 class Pipeline:
-    """K stages on D devices, run under a schedule.
-
-    Args:
-      stages: list of K built Keras layers; stage k maps the output structure
-        of stage k-1 to its own (any nest of tensors, batch on axis 0).
-      devices: list of D devices: names (as `tfpipe.placement.canonical_device`)
-        or `tfpipe.devices.StageDevice`s (a TPU logical core); stage k runs on
-        `devices[schedule.stage_device(k, D)]`.
-      config: the model's `tfpipe.config.PipelineConfig` (schedule, recompute,
-        execution, BatchNorm mode and M are read from it).
-      options: `tfpipe.step_plan.TraceOptions` (default: the defaults).
-    """
+    """K built stage layers (each maps stage k-1's output nest to its own) on D
+    `devices` (names or `StageDevice`s; stage k on `schedule.stage_device(k,
+    D)`), run as the `PipelineConfig` says, traced with `TraceOptions`."""
 
     def __init__(self, stages, devices, config, options=None):
         self.stages = list(stages)
@@ -118,30 +97,13 @@ class Pipeline:
         return self.devices[self.stage_device[k]].scope()
 
     def forward(self, batch, training=False):
-        """Runs the schedule's forward actions, in its order, without gradients.
-
-        Args:
-          batch: a `tfpipe.microbatch.Batch`.
-          training: the flag the stages are called with.
-        Returns:
-          (y_pred, call_loss): the last stage's outputs for the whole batch
-          (metadata attached) and the stages' call losses, each micro-batch
-          weighted by its share of the batch (float32 scalar or None).
-        """
+        """The forward actions on a `Batch`: (y_pred for the whole batch, the call
+        losses weighted by each micro-batch's share: float32 scalar or None)."""
         return self.backend.forward(self.plan, batch, training)
 
     def train(self, batch, split, scale_loss=None, timeline=None):
-        """Forward and backward over all micro-batches; gradients summed.
-
-        Args:
-          batch: a `tfpipe.microbatch.Batch` (inputs, labels, sample weights).
-          split: a `tfpipe.loss.LossSplit` of the model's compiled loss.
-          scale_loss: optional `f(loss) -> loss`, linear (Keras'
-            `optimizer.scale_loss`, for loss scaling); applied to every seed.
-          timeline: optional list; if given, one dict per action is appended:
-            device, kind, stage, microbatch (ints/str) and start, end (float64
-            scalar tensors from `tf.timestamp()`, seconds).
-        Returns:
-          A `tfpipe.runtime.StepResult`.
-        """
+        """Forward and backward over all micro-batches: a `runtime.StepResult`.
+        `scale_loss`: linear (Keras' `optimizer.scale_loss`); `timeline`: a list
+        to append a dict per action to (device, kind, stage, microbatch, and
+        start, end: float64 scalar seconds)."""
         return self.backend.train(self.plan, batch, split, scale_loss, timeline)

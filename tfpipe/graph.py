@@ -1,28 +1,16 @@
 """A Keras model as units: what `from_model` reads, and what `tfpipe.cutting` cuts.
 
-A model is read as a list of *units* in topological order: one unit per call
-of a layer or raw op (`x + y` and other `keras.ops` calls appear in
-`model.operations`, not in `model.layers`, and are units too). For a flat
-functional model the units are exactly `model.operations` without the
-`InputLayer`s, in that order; a nested functional model or Sequential is
-inlined (its own units take its place); a `keras.Sequential` is its `layers`.
-
-A layer called at several nodes (a shared layer, GPT-2's tied token
-embedding, a nested model called twice) becomes several units that share
-that one object.
-
->>> import keras
->>> inputs = keras.Input((4,))
->>> h = keras.layers.Dense(4, name="a")(inputs)
->>> out = keras.layers.Dense(4, name="b")(h) + h
->>> [unit.op.name for unit in model_graph(keras.Model(inputs, out)).units]
-['a', 'b', 'add']
+A model is read as *units* in topological order: one per call of a layer or
+raw op (`x + y` is in `model.operations`, not `model.layers`), nested models
+inlined. A layer called at several nodes (a shared layer, a tied embedding)
+becomes several units sharing that one object.
 """
 
 import keras
 import tensorflow as tf
 
 from tfpipe import _internal
+
 
 class Ref:
     """A placeholder for graph tensor number `id` inside a call template."""
@@ -75,11 +63,8 @@ class Unit:
 
 
 def call_unit(op, args, kwargs, env, training):
-    """Calls `op` as one unit records, on the tensors in `env`; returns its outputs.
-
-    `training` reaches every layer as a Keras functional model passes it: when
-    not None it replaces the value recorded at that call.
-    """
+    """Calls `op` as one unit records, on the tensors in `env`; returns its
+    outputs. A `training` not None replaces the value recorded at that call."""
     args, kwargs = fill(args, env), fill(kwargs, env)
     if training is not None and "training" in _internal.call_context_args(op):
         kwargs["training"] = training
@@ -87,40 +72,27 @@ def call_unit(op, args, kwargs, env, training):
 
 
 def run_units(units, env, training):
-    """Calls each unit's operation in order on the tensors in `env`, adding
-    its outputs to `env`; returns `env`."""
+    """Calls each unit in order on the tensors in `env`, adding its outputs."""
     for unit in units:
         outputs = call_unit(unit.op, unit.args, unit.kwargs, env, training)
         flat = tf.nest.flatten(outputs)
         if len(flat) != len(unit.outputs):
             raise RuntimeError(
                 f"tfpipe graph bug: {unit.op.name!r} returned {len(flat)} tensors, "
-                f"expected {len(unit.outputs)}."
-            )
+                f"expected {len(unit.outputs)}.")
         env.update(zip(unit.outputs, flat))
     return env
 
 
 class Graph:
-    """A model as units in topological order.
-
-    Attributes:
-      units: list of `Unit`.
-      inputs: the model's input structure, with a `Ref` per input tensor.
-      outputs: the model's output structure, with a `Ref` per output tensor.
-      specs: {tensor id: (shape, dtype)} of every graph tensor.
-      names: {tensor id: readable name} ("layer" or "layer:i").
-      sequential: whether the model is a `keras.Sequential` (cut as layers).
-      model: the model read.
-    """
+    """A model as units in topological order; `inputs`, `outputs`: structures
+    of `Ref`s; `specs`, `names`, `kinds`: per tensor id its (shape, dtype),
+    "layer" or "layer:i" name, and {"sparse"/"ragged": True}."""
 
     def __init__(self, model, units, inputs, outputs, specs, names, sequential, kinds=None):
         self.model, self.units, self.inputs, self.outputs = model, units, inputs, outputs
         self.specs, self.names, self.sequential = specs, names, sequential
         self.kinds = kinds or {}
-
-    def __len__(self):
-        return len(self.units)
 
     @property
     def input_shape(self):
@@ -143,9 +115,7 @@ class Graph:
         return [getattr(t, "name", None) for t in tf.nest.flatten(self.model.input)]
 
     def standardize_inputs(self, x):
-        """`x` arranged as the model's input structure, as Keras' functional
-        model arranges it: a dict keyed by Input name for a model whose
-        inputs are a list (or one tensor) is put in input order."""
+        """`x` as the model's input structure (a dict keyed by Input name put in order)."""
         template = self.inputs
         if not isinstance(x, dict) or isinstance(template, dict):
             return x
@@ -171,12 +141,7 @@ def _is_functional(op):
 
 
 class _Reader:
-    """Walks a (possibly nested) functional model into `Unit`s.
-
-    Tensor ids are scoped: a nested model inlined twice (a siamese tower)
-    gets fresh ids for its inner tensors each time, and a layer called at
-    several nodes becomes several units that share the one layer object.
-    """
+    """Walks a functional model into `Unit`s; a nested model inlined twice gets fresh ids."""
 
     def __init__(self, model):
         self.model = model
@@ -205,8 +170,7 @@ class _Reader:
                 if id(x) not in self.ids:
                     raise ValueError(
                         f"from_model: {where} uses a tensor that is not computed from "
-                        f"the inputs of {self.model.name!r}; cannot cut this graph."
-                    )
+                        f"the inputs of {self.model.name!r}; cannot cut this graph.")
                 return Ref(self.ids[id(x)])
             return x
         return map_template(leaf, structure)
@@ -231,16 +195,14 @@ class _Reader:
     def inline(self, sub, node, args, kwargs):
         inputs = args[0] if args else kwargs.pop("inputs", None)
         kwargs.pop("training", None)  # replaced by the stage's training flag, as Keras does
-        # Keras records the mask it auto-fills from the inputs (all None when
-        # they carry none): only a real mask is an extra argument.
+        # Keras records the mask it auto-fills (all None without one).
         if "mask" in kwargs and all(m is None for m in tf.nest.flatten(kwargs["mask"])):
             kwargs.pop("mask")
         if len(args) > 1 or kwargs:
             raise ValueError(
                 f"from_model cannot inline the nested model {sub.name!r}: it is "
                 f"called with extra arguments {sorted(kwargs) or list(args[1:])}. Call it "
-                f"on its inputs only, or pass the stages explicitly."
-            )
+                f"on its inputs only, or pass the stages explicitly.")
         outer = tf.nest.flatten(inputs)
         outer_ids = self.ids
         if isinstance(sub, keras.Sequential):
@@ -258,8 +220,7 @@ class _Reader:
             if len(inner) != len(outer):
                 raise ValueError(
                     f"from_model: nested model {sub.name!r} takes {len(inner)} inputs, "
-                    f"called with {len(outer)}."
-                )
+                    f"called with {len(outer)}.")
             scope = {}
             for i, o in zip(inner, outer):
                 ref = self.template(o, f"nested model {sub.name!r}")
@@ -269,8 +230,7 @@ class _Reader:
                     raise ValueError(
                         f"from_model cannot inline the nested model {sub.name!r}: input "
                         f"{i.name!r} is {i.dtype}{tuple(i.shape)} but receives "
-                        f"{o.dtype}{tuple(o.shape)}."
-                    )
+                        f"{o.dtype}{tuple(o.shape)}.")
                 scope[id(i)] = ref.id
             self.ids = scope
             try:
@@ -283,12 +243,8 @@ class _Reader:
 
 
 def _nodes_in_order(fn):
-    """The (operation, node) calls that compute `fn`'s outputs, in an order
-    where every call comes after the calls that make its inputs.
-
-    Ties keep `fn.operations`' order (then the node's), so a model with no
-    shared layer reads exactly as `fn.operations`.
-    """
+    """The (operation, node) calls computing `fn`'s outputs, each after those
+    making its inputs; ties keep `fn.operations`' order, then the node's."""
     input_ids = {id(t) for t in tf.nest.flatten(fn.input)}
     rank = {id(op): i for i, op in enumerate(fn.operations)}
     nodes, deps = {}, {}   # key -> (op, node); key -> keys it waits for
@@ -303,8 +259,7 @@ def _nodes_in_order(fn):
         if op is None:
             raise ValueError(
                 f"from_model: a tensor of {fn.name!r} has no Keras history; "
-                f"only functional models built from keras.Input can be cut."
-            )
+                f"only functional models built from keras.Input can be cut.")
         key = (rank.get(id(op), len(rank)), index, id(op))
         if key in nodes:
             continue
@@ -340,12 +295,7 @@ def as_graph(model_or_graph):
 
 
 def model_graph(model):
-    """Reads `model` (Sequential or functional) as a `Graph` of units.
-
-    Raises:
-      ValueError: `model` is not a Sequential or functional Keras model, or a
-        layer is called at more than one node (shared layer).
-    """
+    """Reads a Sequential or functional `model` as a `Graph` of units."""
     if isinstance(model, keras.Sequential):
         layers = list(model.layers)
         specs, names = {}, {}
@@ -364,8 +314,7 @@ def model_graph(model):
     if not _is_functional(model):
         raise ValueError(
             f"from_model needs a keras.Sequential or functional keras.Model, "
-            f"got {type(model).__name__}."
-        )
+            f"got {type(model).__name__}.")
     reader = _Reader(model)
     inputs = map_template(lambda t: Ref(reader.new_id(t, t.name)), model.input)
     reader.read_functional(model)
@@ -375,22 +324,18 @@ def model_graph(model):
 
 
 def flatten_like(template, structure, name="this stage"):
-    """The parts of `structure` at the `Ref` leaves of `template`, in order.
-
-    Dicts are matched by key, lists and tuples by position; `name` is used in
-    the error raised when the structures do not match.
-    """
+    """The parts of `structure` at `template`'s `Ref` leaves (dicts by key, lists in order)."""
     if isinstance(template, Ref):
         return [structure]
-    if isinstance(template, dict) and isinstance(structure, dict) and set(template) <= set(structure):
+    if (isinstance(template, dict) and isinstance(structure, dict)
+            and set(template) <= set(structure)):
         return [x for k in template for x in flatten_like(template[k], structure[k], name)]
     if (isinstance(template, (list, tuple)) and isinstance(structure, (list, tuple))
             and len(template) == len(structure)):
         return [x for t, v in zip(template, structure) for x in flatten_like(t, v, name)]
     raise ValueError(
         f"{name} was called with inputs structured as {_describe(structure)} but "
-        f"takes {_describe(template)}."
-    )
+        f"takes {_describe(template)}.")
 
 
 def _describe(structure):

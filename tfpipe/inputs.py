@@ -1,12 +1,8 @@
 """What `fit`, `evaluate` and `predict` are given, checked before Keras runs.
 
-Each check raises a `ValueError` that names the call, the value and the fix,
-where Keras would fail deep inside a traced step or not at all: a batch
-smaller than M (or than R x M), arrays without labels for a compiled loss,
-a call under another strategy's scope, a dict fed to stages built for one
-input, inputs Keras cannot split over data-parallel replicas, and a batch
-size the loop execution under XLA cannot take. `input_spec` reads the
-shapes and dtypes a model is built from.
+Each check raises a `ValueError` naming the call, the value and the fix,
+where Keras would fail deep inside a traced step or not at all;
+`input_spec` reads the shapes and dtype a model is built from.
 """
 
 import keras
@@ -19,8 +15,7 @@ from tfpipe import xla
 def is_shape(value):
     """Whether `value` is one shape: a tuple or list of ints and Nones."""
     return isinstance(value, (tuple, list, tf.TensorShape)) and all(
-        d is None or isinstance(d, int) for d in value
-    )
+        d is None or isinstance(d, int) for d in value)
 
 
 def map_shapes(fn, shapes):
@@ -39,8 +34,7 @@ def check_stages(stages):
     if isinstance(stages, keras.layers.Layer) or not isinstance(stages, (list, tuple)):
         raise ValueError(
             f"stages must be a list of Keras layers (one per stage), got "
-            f"{type(stages).__name__}. To cut one model use PipelinedModel.from_model."
-        )
+            f"{type(stages).__name__}. To cut one model use PipelinedModel.from_model.")
     stages = list(stages)
     if not stages:
         raise ValueError("stages is empty; a pipeline needs at least one stage.")
@@ -49,19 +43,16 @@ def check_stages(stages):
             raise ValueError(f"Stage {k} is empty; every stage needs at least one layer.")
         if not isinstance(stage, keras.layers.Layer):
             raise ValueError(
-                f"Stage {k} must be a Keras layer or model, got {type(stage).__name__}."
-            )
+                f"Stage {k} must be a Keras layer or model, got {type(stage).__name__}.")
         if isinstance(stage, keras.Sequential) and not stage.layers:
             raise ValueError(
                 f"Stage {k} ({stage.name!r}) is an empty Sequential; every stage "
-                f"needs at least one layer."
-            )
+                f"needs at least one layer.")
     return stages
 
 
 def _iterated(x):
-    """Whether `x` gives its batches only when iterated (a generator or a
-    `keras.utils.PyDataset`)."""
+    """Whether `x` gives its batches only when iterated (generator, PyDataset)."""
     return isinstance(x, keras.utils.PyDataset) or callable(getattr(x, "__next__", None))
 
 
@@ -84,15 +75,9 @@ def _dataset_batch_size(x):
 
 
 def check_batch(x, batch_size, what, num_microbatches, num_replicas, static_for=None):
-    """Refuses batches that would leave micro-batches empty.
-
-    Args:
-      x, batch_size: what the Keras call was given.
-      what: the call, e.g. "fit", for the message.
-      num_microbatches: M; num_replicas: R.
-      static_for: why every batch must have one static size that is a
-        multiple of M (e.g. "execution='loop' under jit_compile=True"), or None.
-    """
+    """Refuses batches of `x` that would leave micro-batches empty; `what`
+    names the call; `static_for` says why every batch must have one static
+    size that is a multiple of M (None: no such need)."""
     m, r = num_microbatches, num_replicas
     if static_for is not None:
         xla.check_static_batch(x, batch_size, m, what, static_for)
@@ -109,8 +94,7 @@ def check_batch(x, batch_size, what, num_microbatches, num_replicas, static_for=
                 f"{what}: batch size {size} is smaller than num_microbatches={m}, "
                 f"so {m - size} micro-batch(es) of every batch would be empty. Use a "
                 f"batch size of at least {m} (a multiple of {m} keeps every "
-                f"micro-batch the same size) or num_microbatches <= {size}."
-            )
+                f"micro-batch the same size) or num_microbatches <= {size}.")
 
 
 def check_labels(x, y, what, has_loss):
@@ -142,9 +126,8 @@ def check_dict_for_one_input(x, what, built_shape):
 
 
 def check_replicated_inputs(x, what, num_replicas):
-    """With several replicas Keras reduces the first distributed batch to
-    build metrics, which fails deep in TensorFlow on strings, SparseTensors
-    and RaggedTensors; say so up front."""
+    """Refuses strings, SparseTensors and RaggedTensors with several replicas:
+    Keras' reduction of the first distributed batch fails deep in TF on them."""
     if num_replicas == 1 or x is None:
         return
     if isinstance(x, tf.data.Dataset):
@@ -173,9 +156,7 @@ def check_replicated_inputs(x, what, num_replicas):
 
 
 def input_spec(x):
-    """(shapes, dtype) a model can be built from for the inputs `x` (arrays
-    or a `tf.data.Dataset`; batch dimension None), or None when the batches
-    are only known once iterated."""
+    """(shapes, dtype) to build from for arrays or a Dataset; None for iterated inputs."""
     if x is None or _iterated(x):
         return None
     if isinstance(x, tf.data.Dataset):

@@ -1,13 +1,8 @@
 """Loading a saved model at another layout: `load_model`.
 
-A `.keras` file saved from a pipelined model (cut by `from_model`, at any
-number of stages) or from a plain Keras model loads as a `PipelinedModel`
-cut for the `PipelineStrategy` in scope; `tfpipe.saving` says what the
-saved files are keyed by, and `to_keras` turns a pipeline back into plain
-Keras.
-
->>> with tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"]).scope():
-...     model = tfpipe.load_model("run_at_4_stages.keras")  # doctest: +SKIP
+A `.keras` file saved from a cut `PipelinedModel` (any number of stages) or
+from a plain Keras model loads as a `PipelinedModel` cut for the
+`PipelineStrategy` in scope (`tfpipe.saving` says what files are keyed by).
 """
 
 import contextlib
@@ -21,26 +16,12 @@ from tfpipe import saving
 from tfpipe import strategy as strategy_lib
 from tfpipe.saving import to_keras  # noqa: F401  (tfpipe.layout.to_keras, as before)
 
+
 def load_model(path, balance=None, custom_objects=None, compile=True, **settings):  # pylint: disable=redefined-builtin
-    """Loads a `.keras` file as a `PipelinedModel` cut for the current strategy.
-
-    Args:
-      path: a `.keras` file saved from a `PipelinedModel` cut by `from_model`
-        (any number of stages), or from a plain Keras model.
-      balance: units per stage, `"params"`, `"time"` or `"memory"` (see
-        `PipelinedModel.from_model`); None keeps the saved balance when the
-        strategy places as many stages, else cuts by parameter count over
-        the strategy's stages.
-      custom_objects: passed to `keras.models.load_model`.
-      compile: restore the saved compile arguments and optimizer state.
-      **settings: pipeline settings that override the saved ones
-        (`num_microbatches`, `schedule`, `recompute`, `execution`,
-        `batch_norm`).
-
-    Uses the `PipelineStrategy` in scope, else a default one over all
-    devices. Returns a built `PipelinedModel` whose weights (and optimizer
-    slots, when compiled) are those saved.
-    """
+    """Loads a `.keras` file as a built `PipelinedModel` cut for the
+    `PipelineStrategy` in scope. `balance` as in `from_model` (None: the saved
+    one when the strategy places as many stages, else "params"); `settings`
+    override the saved pipeline settings."""
     if not isinstance(path, (str, os.PathLike)) or not str(path).endswith(".keras"):
         raise ValueError(f"path must be a .keras file, got {path!r}. For checkpoints use "
                          f"tf.train.Checkpoint(model=model).restore(...) on a model you "

@@ -1,45 +1,12 @@
 """The loop form: a schedule run as one `tf.while_loop` over clock ticks.
 
-The unrolled backend (`tfpipe.unrolled`) traces every action, so its graph
-and trace time grow with M. Here the schedule becomes a constant (T, D) table
-of branch codes and micro-batch indices (`tfpipe.schedules.clock_ticks`); the
-loop body runs, for each device d under `tf.device`, a `tf.switch_case` over
-d's possible actions (idle, and each (kind, stage) pair its row holds). The
-body is traced once, whatever M is. Each branch is the same handler of
-`tfpipe.runtime` the unrolled form runs; only where state lives differs.
-
-State carried from tick to tick (all written once per micro-batch):
-  acts[k]   stage k's input boundary for every micro-batch (k >= 1)  TensorArrays
-  outs      the last stage's output boundary per micro-batch          TensorArrays
-  seeds[k]  stage k's RNG state before each micro-batch's F          TensorArrays
-  gin[k]    d loss / d (stage k's connected float outputs)            TensorArrays
-  bn[k]     stage k's BatchNorm call statistics (deferred mode)       TensorArrays
-  grads[d]  device d's gradients per variable (`_GradientSlot`)     tensors / TensorArrays
-  extra[d]  call losses added on device d, weighted                  scalar
-  num, div  the loss terms' numerators and divisor parts, summed      scalars
-  token[d]  device d's ordering token (its previous action finished)  scalar
-  times[d]  with a timeline: start and end of each of d's actions     TensorArray
-
-Micro-batches may differ in size by a row (`tfpipe.microbatch`), so the
-TensorArrays hold elements with a free batch dimension and outputs are
-concatenated. Which gradients exist is decided when tracing, from a traced
-probe of the backward pass (`boundary.probe(connectivity=True)`), so an
-unconnected variable is reported, never fed zeros.
-
-Ticks are not a barrier: iterations overlap, an action starts once the
-TensorArrays it reads hold its inputs and its device's token says the previous
-action is done; each device runs its actions in the schedule's order.
-
-Under XLA (`compile(jit_compile=True)`, one device; `tfpipe.xla`) every
-micro-batch has N / M rows (`Split.assume_equal`) and each TensorList is
-created with its element shape as a tensor XLA knows when it compiles
-(`_array`): an XLA TensorList must be initialised, with one shape, before the
-while loop that writes it.
-
-Memory: only stage inputs are kept (every B, I and W recomputes its stage's
-forward), so this form is `recompute="always"`; a replay uses the seeds its
-F used, so dropout masks match. Embedding (IndexedSlices) gradients keep
-their rows (`_GradientSlot`), as in the unrolled step.
+The schedule becomes a constant (T, D) table of branch codes and micro-batch
+indices (`tfpipe.schedules.clock_ticks`); at each tick every device runs a
+`tf.switch_case` over the `tfpipe.runtime` handlers of its actions, so the
+body is traced once whatever M. The state is TensorArrays (free batch
+dimension) and tensors carried by the loop (`_Layout.state`). Only stage
+inputs and seeds are kept: every B, I and W replays its stage with its F's
+seeds (`recompute="always"`).
 """
 
 import tensorflow as tf
@@ -54,15 +21,10 @@ from tfpipe import stage as stage_lib
 from tfpipe import xla
 
 
-def _flat_specs(spec):
-    return tf.nest.flatten(spec)
-
-
 def _array(spec, m_count, rows=None):
     """A TensorArray of `m_count` micro-batch elements of `spec` (batch dim
-    None). Under XLA `rows` is the micro-batch size (an int32 scalar XLA
-    knows when compiling): the list is then created with its whole element
-    shape, which XLA needs before the loop."""
+    None). Under XLA `rows` is the micro-batch size (int32 scalar): an XLA
+    TensorList must be created with its whole element shape before the loop."""
     if not isinstance(spec, tf.TensorSpec):
         raise ValueError(
             f"execution='loop' passes dense tensors between stages; a stage returns "
@@ -83,13 +45,14 @@ def _array(spec, m_count, rows=None):
     return tf.TensorArray(spec.dtype, flow=flow, infer_shape=False, clear_after_read=False)
 
 
+def _shaped(t, shape):
+    t.set_shape(shape)
+    return t
+
+
 def _read(arrays, specs, m):
-    flat = []
-    for ta, spec in zip(arrays, _flat_specs(specs)):
-        t = ta.read(m)
-        t.set_shape(spec.shape)
-        flat.append(t)
-    return tf.nest.pack_sequence_as(specs, flat)
+    return tf.nest.pack_sequence_as(specs, [
+        _shaped(ta.read(m), s.shape) for ta, s in zip(arrays, tf.nest.flatten(specs))])
 
 
 def _write(arrays, structure, m):
@@ -97,36 +60,24 @@ def _write(arrays, structure, m):
 
 
 def _concat(arrays, specs):
-    flat = []
-    for ta, spec in zip(arrays, _flat_specs(specs)):
-        t = ta.concat()
-        t.set_shape(tf.TensorShape([None]).concatenate(spec.shape[1:]))
-        flat.append(t)
-    return tf.nest.pack_sequence_as(specs, flat)
+    return tf.nest.pack_sequence_as(specs, [
+        _shaped(ta.concat(), tf.TensorShape([None]).concatenate(s.shape[1:]))
+        for ta, s in zip(arrays, tf.nest.flatten(specs))])
 
 
 class LoopStore:
-    """The step's state as TensorArrays and tensors in a `tf.while_loop`'s
-    carried dict `st` (`tfpipe.runtime.Store`). A switch branch wraps a copy
-    of `st`; what the handler writes replaces its entries.
-
-    Every backward replays its stage (`recompute="always"`), so nothing but
-    stage inputs and seeds is kept; a split backward's W replays too.
-    """
+    """The `tfpipe.runtime.Store` over a copy of the loop's carried dict `st`."""
 
     def __init__(self, layout, st):
         self.layout, self.st = layout, _copy(st)
         self.step = layout.step
         self.start = None  # with a timeline: the current action's start stamp
 
-    # -- forward -----------------------------------------------------------
-
     def begin(self, d, structure, release=()):
         del d, release
         if self.start is None:
             return structure
-        # The action starts once its inputs exist: stamp then, and make its
-        # work wait for the stamp.
+        # Stamp once the inputs exist; the action's work waits for the stamp.
         with tf.control_dependencies(runtime.float_leaves(structure)):
             self.start = _internal.unordered_timestamp()
         with tf.control_dependencies([self.start]):
@@ -170,11 +121,8 @@ class LoopStore:
     def loss_seeds(self, plan, scale):
         return [s * scale for s in plan.seeds(_divisor_sums(self.st, self.step))]
 
-    # -- backward ----------------------------------------------------------
-
     def output_gradients(self, k, m):
-        """Per float leaf of stage k's output boundary: its gradient, or None
-        where the loss does not reach it."""
+        """Per float leaf of stage k's output boundary, its gradient or None."""
         arrays = iter(zip(self.st["gin"][k], self.layout.connected_specs(k)))
         grads = []
         for connected in self.step.interfaces[k + 1].inputs_connected:
@@ -182,9 +130,7 @@ class LoopStore:
                 grads.append(None)
                 continue
             ta, spec = next(arrays)
-            g = ta.read(m)
-            g.set_shape(spec.shape)
-            grads.append(g)
+            grads.append(_shaped(ta.read(m), spec.shape))
         return grads
 
     def put_input_gradients(self, k, m, grads):
@@ -213,9 +159,7 @@ def _divisor_sums(st, step):
 
 
 class _Layout:
-    """What the loop's state holds for one step, sized when tracing: the
-    TensorArrays per stage boundary, the gradient slots per device, and
-    which state entries each device's actions write."""
+    """The loop's state for one step, sized when tracing; `owned`: what each device writes."""
 
     def __init__(self, plan, step):
         self.plan, self.step = plan, step
@@ -254,9 +198,9 @@ class _Layout:
                 "(IndexedSlices) gradients, whose row count varies; use "
                 "execution='unrolled' with jit_compile=True.")
         self.state = {
-            "acts": [[_array(s, m_count, rows) for s in _flat_specs(interfaces[k - 1].specs)]
+            "acts": [[_array(s, m_count, rows) for s in tf.nest.flatten(interfaces[k - 1].specs)]
                      if k else [] for k in range(k_count)],
-            "outs": [_array(s, m_count, rows) for s in _flat_specs(interfaces[-1].specs)],
+            "outs": [_array(s, m_count, rows) for s in tf.nest.flatten(interfaces[-1].specs)],
             "seeds": [[tf.TensorArray(v.dtype, size=m_count, element_shape=v.shape,
                                       clear_after_read=False)
                        for v in plan.states[k].seed_variables()] if backward else []
@@ -267,8 +211,7 @@ class _Layout:
             "grads": [[self.slots[d][i].initial() for i in self.device_vars[d]]
                       for d in range(d_count)],
             "extra": [tf.zeros((), tf.float32) for _ in range(d_count)],
-            # Each device's ordering token: its next action starts once every
-            # op of its previous one has run (one stream per device).
+            # A device's next action starts once every op of its previous one ran.
             "token": [tf.zeros((), tf.float32) for _ in range(d_count)],
             "num": [tf.zeros((), tf.float32) for _ in range(n_terms)],
             "div": [tf.zeros((), tf.float32) for _ in range(n_terms)],
@@ -278,7 +221,7 @@ class _Layout:
     def connected_specs(self, k):
         """Specs of the float leaves of boundary k that the loss reaches."""
         interfaces = self.step.interfaces
-        floats = [s for s in _flat_specs(interfaces[k].specs)
+        floats = [s for s in tf.nest.flatten(interfaces[k].specs)
                   if isinstance(s, tf.TensorSpec) and s.dtype.is_floating]
         return [s for s, c in zip(floats, interfaces[k + 1].inputs_connected) if c]
 
@@ -295,8 +238,6 @@ class _Layout:
                 keys += [("outs", None)] + [("num", j) for j in range(n_terms)] + \
                         [("div", j) for j in range(n_terms)]
         return [key for key in keys if key is not None]
-
-    # -- the timeline ------------------------------------------------------
 
     def add_timeline(self, ticks):
         """Adds per device a float64 TensorArray of (start, end) stamps, two
@@ -327,8 +268,6 @@ class _Layout:
                                    microbatch=a.microbatch, start=stamps[2 * i],
                                    end=stamps[2 * i + 1]))
         return events
-
-    # -- the end of the step (what `Step.finish` reads) -----------------
 
     def finished(self, st):
         return FinishedStore(self, st)
@@ -393,13 +332,8 @@ class LoopBackend:
 
     @staticmethod
     def _run(plan, step, layout, ticks):
-        """The while loop: at tick t, device d runs its action of the tick.
-
-        Each device's actions are the branches of a `tf.switch_case` (0: idle)
-        over the (kind, stage) pairs it has in the table; the (T, D) tables of
-        branch codes and micro-batches are constants, so the body is traced
-        once, whatever M is.
-        """
+        """The while loop: at tick t, device d runs branch codes[t, d] (0: idle)
+        of the (kind, stage) pairs its row holds, on micro-batch mbs[t, d]."""
         d_count = len(plan.devices)
         branches = [sorted({(a.kind, a.stage) for row in ticks for a in [row[d]] if a},
                            key=lambda ks: (ks[1], "FBIW".index(ks[0])))
@@ -443,10 +377,8 @@ class LoopBackend:
                 _assign(new, owned[d], result)
             return t + 1, new
 
-        # No barrier between ticks: iterations overlap, so an action starts as
-        # soon as its inputs exist (data dependencies through the TensorArrays)
-        # and its device's token says the previous action is done. The ticks
-        # only fix each device's order; the step runs event-driven.
+        # No barrier between ticks: an action starts once the TensorArrays hold
+        # its inputs and its device's token says the previous action is done.
         _, state = tf.while_loop(lambda t, st: t < len(ticks), body,
                                  (tf.constant(0), layout.state),
                                  parallel_iterations=max(1, len(ticks)))
@@ -454,7 +386,7 @@ class LoopBackend:
 
 
 def _equal_under_xla(batch):
-    """Under XLA, micro-batches of N / M rows each (see the module doc)."""
+    """Under XLA, micro-batches of N / M rows each (`Split.assume_equal`)."""
     if xla.in_xla_program():
         batch.split.assume_equal()
 
@@ -465,13 +397,8 @@ def _order(ticks):
 
 class _GradientSlot:
     """One device's running gradient of one variable over micro-batches.
-
-    Dense gradients are summed. Embedding gradients (IndexedSlices, one row
-    per lookup) are kept as they come, each micro-batch's rows written to a
-    TensorArray and concatenated at the end: exactly the slices full-batch
-    training hands the optimizer (Keras' Adam treats repeated rows of
-    IndexedSlices differently from their sum, so densifying is not exact).
-    """
+    Dense gradients are summed; IndexedSlices are kept and concatenated at the
+    end (Keras' Adam treats repeated rows differently from their sum)."""
 
     def __init__(self, variable, num_microbatches):
         self.variable, self.num_microbatches = variable, num_microbatches
@@ -508,9 +435,6 @@ class _GradientSlot:
         grad = tf.IndexedSlices(entry[0].concat(), entry[1].concat(),
                                 tf.constant(list(self.variable.shape), self.index_dtype))
         return gradients_lib.merge_rows(grad) if self.unique else grad
-
-
-# -- small helpers over the nested state ---------------------------------------
 
 
 def _copy(st):

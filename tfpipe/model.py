@@ -1,13 +1,9 @@
 """`PipelinedModel`: the Keras face of the pipeline.
 
-`fit`, `evaluate` and `predict` work as for any Keras model; each step cuts
-the batch into M micro-batches (`tfpipe.microbatch`), runs the schedule on the
-stage devices (`tfpipe.engine`) and, in training, applies one optimizer update
-with the gradients summed over micro-batches. Metrics are updated once per
-step on the whole batch's outputs (Keras masks and logits attached), so every
-metric sees what full-batch training shows it. This module only wires: input
-checks are `tfpipe.inputs`'s, the exact loss split `tfpipe.loss`'s, the cut
-`tfpipe.cutting`'s, saving `tfpipe.saving`'s.
+Each `fit`/`evaluate`/`predict` step cuts the batch into M micro-batches, runs
+the schedule on the stage devices (`tfpipe.engine`) and, in training, applies
+one optimizer update with the gradients summed over micro-batches. This module
+only wires: checks, loss split, cut and saving live in their own modules.
 """
 
 import contextlib
@@ -35,8 +31,7 @@ from tfpipe import xla
 
 
 class _Source:
-    """Holds the model `from_model` cut, out of Keras' layer tracking (it
-    is not a sub-layer of the pipeline: its layers are, through the stages)."""
+    """The model `from_model` cut, held out of Keras' layer tracking."""
 
     def __init__(self, model, graph, balance, method):
         self.model, self.graph, self.balance, self.method = model, graph, balance, method
@@ -52,20 +47,15 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
     """A Keras model whose `stages` run as a pipeline on the strategy's devices.
 
     Args:
-      stages: list of K Keras layers or models; stage k takes the output of
-        stage k - 1. Unbuilt layers are built under their stage's device;
-        built ones have their variables moved there.
+      stages: K Keras layers; stage k takes stage k - 1's output and is built
+        (or has its variables moved) under its device.
       num_microbatches, schedule, recompute, execution, batch_norm: the
-        pipeline's settings (`tfpipe.config.PipelineConfig`); each None takes
-        the `PipelineStrategy`'s.
-      input_shape: optional shape (batch dimension included, may be None) or
-        nest of shapes; builds the model (places all variables) right away.
-      input_dtype: dtype of the dummy batch used to build stages (default
-        float32).
-      **kwargs: passed to `keras.Model` (e.g. `name`).
+        `tfpipe.config.PipelineConfig` settings; None takes the strategy's.
+      input_shape: optional shape or nest of shapes (batch dimension
+        included): builds the model now. input_dtype: the build's dtype.
 
     Create it under `tfpipe.PipelineStrategy(...).scope()`; outside any scope
-    it makes a default `PipelineStrategy()` over all logical devices.
+    it makes a default `PipelineStrategy()`.
     """
 
     def __init__(self, stages, num_microbatches=None, recompute=None,
@@ -76,13 +66,11 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
             raise ValueError(
                 f"PipelinedModel must be created under a tfpipe.PipelineStrategy "
                 f"scope, not {type(tf.distribute.get_strategy()).__name__}: other "
-                f"strategies override the per-stage device placement."
-            )
+                f"strategies override the per-stage device placement.")
         strategy = strategy or strategy_lib.PipelineStrategy()
         source = kwargs.pop("_source", None)
         super().__init__(**kwargs)
-        # Inputs reach the stages as given (a functional model's do too); each
-        # stage converts what it takes.
+        # Inputs reach the stages as given; each stage converts what it takes.
         _internal.keep_input_types(self)
         _internal.set_distribute_strategy(self, strategy)
         self._pipeline_strategy = strategy
@@ -91,11 +79,8 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         if source is not None and hasattr(source.model, "output_names"):
             self.output_names = list(source.model.output_names)
         stages = inputs_lib.check_stages(stages)
-        # What Keras and tf.train.Checkpoint track (and list as `layers`): the
-        # user's model when `from_model` cut it, so weights files and
-        # checkpoints are keyed by its layers, whatever the stage layout
-        # (`tfpipe.layout`); hand-made stages otherwise. The stage list itself
-        # sits in an untracked holder.
+        # Keras and checkpoints track the user's model when one was cut (files
+        # keyed by its layers load at any layout), else the stages.
         self._stage_holder = _StageList(stages)
         if source is None:
             self._tracked_stages = stages
@@ -108,18 +93,14 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         if input_shape is not None:
             self.build(input_shape)
 
-    # -- the pipeline's configuration ------------------------------------
-
     def _use_config(self, config):
-        """Makes `config` the model's configuration (the one owner of M,
-        the schedule, recompute, execution and the BatchNorm mode)."""
+        """Makes `config` (a `PipelineConfig`) the model's configuration."""
         strategy = self._pipeline_strategy
         devices, stage_devices = strategy.pipeline_devices(len(self.stages), config.schedule)
         self._pipeline_config = config
         # The D devices the schedule runs on; stage k lives on stage_devices[k].
         self.pipeline_devices, self.stage_devices = devices, stage_devices
-        # One pipeline per data-parallel replica (row of the device grid),
-        # all running the same stages; replica 0's is `self.pipeline`.
+        # One pipeline per data-parallel replica; replica 0's is `self.pipeline`.
         self.replica_pipelines = [
             engine.Pipeline(self.stages, strategy.pipeline_devices(
                 len(self.stages), config.schedule, replica=r)[0], config, self._trace_options)
@@ -131,13 +112,8 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         self.train_function = self.test_function = self.predict_function = None
 
     def set_trace_options(self, **options):
-        """Sets how steps are traced (`tfpipe.engine.TraceOptions`:
-        `enforce_order`, `serialize_ops`, `observer`); not saved. Steps traced
-        before are dropped, so the next call traces again.
-
-        >>> calls = tfpipe.testing.StageCalls()          # doctest: +SKIP
-        >>> model.set_trace_options(observer=calls)      # doctest: +SKIP
-        """
+        """Sets how steps are traced (`tfpipe.engine.TraceOptions`: `enforce_order`,
+        `serialize_ops`, `observer`); not saved. The next call traces again."""
         self._trace_options = dataclasses.replace(self._trace_options, **options)
         self._use_config(self._pipeline_config)
 
@@ -152,11 +128,8 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         return self._stage_holder.stages
 
     def checkpoint_children(self):
-        """What tf.train.Checkpoint saves (Keras 3 would list no children:
-        the variables would be saved only through an optimizer, and
-        non-trainable ones not at all). A cut model has exactly its source
-        model's children, so its checkpoints are keyed as the plain Keras
-        model's are, whatever the stage layout."""
+        """What tf.train.Checkpoint saves (Keras 3 lists none): a cut model's are
+        its source model's, so its checkpoints load at any stage layout."""
         if self._source is not None:
             return _internal.checkpoint_children(self._source.model)
         return {f"stage_{k}": s for k, s in enumerate(self.stages)}
@@ -166,7 +139,7 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         """The `tfpipe.config.PipelineConfig` this model runs with."""
         return self._pipeline_config
 
-    # Its settings, read-only: set them in the strategy or the constructor.
+    # Read-only: set them in the strategy or the constructor.
     num_microbatches = property(lambda self: self._pipeline_config.num_microbatches)
     schedule = property(lambda self: self._pipeline_config.schedule)
     recompute = property(lambda self: self._pipeline_config.recompute)
@@ -188,35 +161,21 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         """The Keras model `from_model` cut (its layers are the stages' layers)."""
         return None if self._source is None else self._source.model
 
-    # -- construction ----------------------------------------------------
-
     @classmethod
     def from_model(cls, model, balance=None, sample=None, **kwargs):
         """Cuts a Sequential or functional model (any DAG) into pipeline stages.
 
-        The model is read as units in topological order (`tfpipe.graph`);
-        stage k takes the next `balance[k]` units, and tensors later stages
-        need (skip connections) pass through the stages in between
-        (`tfpipe.cutting`). Nothing is copied: the stages call `model`'s own
-        layers, and each variable's storage moves to the device of the first
-        stage that uses it, so training the pipeline trains `model`.
+        Stage k takes the next `balance[k]` units in topological order
+        (`tfpipe.cutting`). The stages call `model`'s own layers, whose
+        variables move to the first stage using them: training the pipeline
+        trains `model`.
 
         Args:
-          model: a `keras.Sequential` or functional `keras.Model`.
-          balance: unit counts per stage, e.g. `[3, 2, 2, 1]`; None or
-            `"params"` balances parameter counts, `"time"` measured forward +
-            backward time, `"memory"` measured activation + parameter bytes
-            (see `tfpipe.partition`), over as many stages as the strategy
-            can place.
-          sample: a batch of inputs for `balance="time"` or `"memory"`;
-            default a random batch of 8 rows shaped like the model's inputs.
-          **kwargs: passed to `PipelinedModel` (`num_microbatches`,
-            `schedule`, `recompute`, `execution`, `batch_norm` — default
-            "deferred", see `tfpipe.batchnorm` —, `name`, ...).
-
-        The result has `.balance` (the counts) and `.balance_method`
-        (`"params"`, `"time"`, `"memory"` or `"explicit"`); `summary()` shows
-        them.
+          balance: units per stage, e.g. `[3, 2, 2, 1]`; None or `"params"`
+            balances parameter counts, `"time"` or `"memory"` measured costs
+            (`tfpipe.partition`, on `sample`: default 8 random rows), over as
+            many stages as the strategy can place.
+          **kwargs: passed to `PipelinedModel` (settings, `name`).
         """
         if kwargs.get("batch_norm") is not None:
             config_lib.validate_batch_norm(kwargs["batch_norm"])
@@ -233,8 +192,7 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         if not pipelined.built:
             raise ValueError(
                 f"from_model could not infer the input shape of {model.name!r}; "
-                f"pass input_shape=(None, ...)."
-            )
+                f"pass input_shape=(None, ...).")
         return pipelined
 
     def build(self, input_shape):
@@ -244,15 +202,12 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
                 f"would put every stage's variables on the default device. Build it "
                 f"first: pass input_shape=(None, ...) to PipelinedModel, call "
                 f"model.build(input_shape), or call fit/evaluate/predict with arrays "
-                f"or a tf.data.Dataset (tfpipe builds from their shapes)."
-            )
+                f"or a tf.data.Dataset (tfpipe builds from their shapes).")
         self._built_input_shape = inputs_lib.map_shapes(list, input_shape)
-        # Runs eagerly even when Keras builds symbolically inside a FuncGraph:
-        # variables created there would land on the default device.
+        # Eagerly even inside a Keras FuncGraph: variables created there would
+        # land on the default device. Symbolic inputs keep the batch dimension
+        # None; unbuilt layers build under their stage's device.
         with tf.init_scope(), self._strategy_scope():
-            # Symbolic inputs keep the batch dimension None in every stage's
-            # recorded shapes; unbuilt layers still build (create variables)
-            # eagerly, under their stage's device.
             if self._source is not None and not self._source.graph.sequential:
                 # The model's own inputs: they say which are sparse or ragged.
                 h = self._source.model.input
@@ -269,8 +224,8 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
                             raise
                         raise ValueError(
                             f"Stage {k} ({stage.name!r}) cannot take the output of stage "
-                            f"{k - 1} ({self.stages[k - 1].name!r}): {summary.describe(h)}. Make "
-                            f"stage {k} accept that (or change the cut). Keras said: "
+                            f"{k - 1} ({self.stages[k - 1].name!r}): {summary.describe(h)}. "
+                            f"Make stage {k} accept that (or change the cut). Keras said: "
                             f"{err}") from err
                     h = h_next
                     outputs.append(h)
@@ -281,7 +236,7 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
                 columns = list(self.stage_devices)
             placement.place_variables(self.stages, columns)
             batchnorm.check_layers(self.stages, self.batch_norm,
-                                  self._pipeline_strategy.num_replicas)
+                                   self._pipeline_strategy.num_replicas)
             self._stage_outputs = outputs
         if self._source is not None:
             # Its traced functions (if any) hold the variables' old storage.
@@ -297,11 +252,10 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         optimizer = getattr(self, "optimizer", None)
         if optimizer is None or optimizer.built or not self.built:
             return
-        # Eagerly, so that each slot is created next to its variable; Keras
-        # would otherwise build it inside the first traced step, on CPU:0.
+        # Eagerly, so that each slot is created next to its variable (Keras
+        # would build it in the first traced step, on CPU:0), in the order of
+        # `trainable_variables`, so slot i is the same variable's at any layout.
         with tf.init_scope(), self._strategy_scope():
-            # In the order of `trainable_variables` (the user's model's when it
-            # was cut), so slot i is the same variable's at any stage layout.
             optimizer.build(self._optimizer_variables())
 
     def _optimizer_variables(self):
@@ -316,8 +270,8 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
     def compute_output_spec(self, inputs, training=None):
         if self._source is None:
             return super().compute_output_spec(inputs, training=training)
-        # The shapes the model recorded (GraphStage.compute_output_spec):
-        # tracing the layers on dense placeholders breaks on ragged inputs.
+        # The recorded shapes: tracing the layers on dense placeholders breaks
+        # on ragged inputs.
         h = inputs
         for stage in self.stages:
             h = stage.compute_output_spec(h, training=training)
@@ -326,9 +280,8 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
     def call(self, inputs, training=None):
         """Runs the stages one after another on the whole batch (no pipelining)."""
         if self._source is not None and _internal.in_keras_symbolic_scope():
-            # Keras' symbolic build of a built model wants only the outputs'
-            # shapes: the recorded ones (its dense placeholders would break a
-            # layer that takes a ragged input).
+            # Keras' symbolic build wants only the outputs' shapes: the recorded
+            # ones (its dense placeholders break a layer taking a ragged input).
             return tf.nest.map_structure(
                 lambda s: tf.compat.v1.placeholder(s.dtype, s.shape),
                 self.compute_output_spec(inputs, training=training))
@@ -340,15 +293,9 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
                 h = stage(h, training=training)
         return h
 
-    # -- Keras API -------------------------------------------------------
-
     def compile(self, *args, jit_compile="auto", **kwargs):
-        """As `keras.Model.compile`. `jit_compile=True` compiles the whole step
-        as one XLA program; it is accepted when every stage sits on one device
-        and refused for several (`tfpipe.xla.check_jit_compile`). Keras'
-        `"auto"` (XLA on GPU machines) is turned into False: a multi-device
-        step must not be one XLA cluster.
-        """
+        """As `keras.Model.compile`; `jit_compile=True` only with every stage on
+        one device, and Keras' `"auto"` means False (`tfpipe.xla`)."""
         jit = jit_compile is True
         if jit:
             xla.check_jit_compile(self.pipeline_devices)
@@ -359,8 +306,7 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         self._build_optimizer()
 
     def check_batch_size(self, x, batch_size, what):
-        """Refuses batches of `x` that would leave micro-batches empty, or
-        that the loop under XLA cannot take (`tfpipe.inputs.check_batch`)."""
+        """Refuses batches of `x` that `tfpipe.inputs.check_batch` refuses."""
         static_for = None
         if self.pipeline_config.traits.in_loop and _internal.jit_compile(self) is True:
             static_for = "execution='loop' under jit_compile=True"
@@ -368,8 +314,7 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
                                self._pipeline_strategy.num_replicas, static_for)
 
     def _check_call(self, x, y, batch_size, what):
-        """The checks every Keras entry point runs first, then the build
-        from the data's shapes (variables placed eagerly)."""
+        """Every Keras entry point's checks, then the build from the data's shapes."""
         strategy = self._pipeline_strategy
         inputs_lib.check_replicated_inputs(x, what, strategy.num_replicas)
         inputs_lib.check_scope(what, strategy)
@@ -402,10 +347,7 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         self._check_call(x, None, batch_size, "predict")
         return super().predict(x, batch_size, *args, **kwargs)
 
-    # Keras calls the function these make once per step (or per
-    # steps_per_execution); each call, and the trace the first one starts,
-    # runs in the execution's call scope (`tfpipe.engine.in_call_scope`).
-
+    # Each step function Keras makes runs (and traces) in the execution's call scope.
     def make_train_function(self, force=False):
         super().make_train_function(force)
         self.train_function = engine.in_call_scope(self.train_function, self.pipeline_config)
@@ -423,9 +365,7 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         return self.predict_function
 
     def split_batch(self, data):
-        """A Keras batch `data` ((x, y, sample_weight) or x) as a
-        `tfpipe.microbatch.Batch` of M micro-batches, the inputs arranged as
-        the source model takes them."""
+        """A Keras batch `data` as a `tfpipe.microbatch.Batch` of M micro-batches."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if self._source is not None:
             x = self._source.graph.standardize_inputs(x)
@@ -436,11 +376,9 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         return loss_lib.LossSplit(_internal.compiled_loss(self))
 
     def _update_metrics(self, batch, y_pred, loss, split, term_values):
-        # Once, on the whole batch's outputs: identical to a full-batch update
-        # for every metric (AUC and unweighted metrics included). With
-        # data-parallel replicas `loss` and `term_values` are this replica's
-        # shares of the global batch's: the trackers record the global values
-        # weighted by this replica's rows, so they sum to plain Keras' update.
+        # Once, on the whole batch's outputs, as full-batch training. With
+        # replicas, `loss` and `term_values` are this replica's shares: the
+        # trackers record the global values weighted by this replica's rows.
         loss, term_values = replicas.sum_over_replicas((loss, list(term_values)))
         _internal.loss_tracker(self).update_state(loss, sample_weight=batch.split.num_rows)
         y_true = batch.y
@@ -451,8 +389,7 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         logs = self.compute_metrics(batch.x, batch.y, y_pred, sample_weight=batch.sample_weight)
         if replicas.num_replicas() == 1:
             return logs
-        # Each replica's metric state holds its own rows; the results of the
-        # global batch read the state summed over the replicas (and workers).
+        # Each replica's metric state holds its own rows: read the sum over replicas.
         return replicas.across_replicas(self.get_metrics_result)
 
     def train_step(self, data):
@@ -493,8 +430,6 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         y_pred, _ = pipeline.forward(self.split_batch((x,)))
         return y_pred
 
-    # -- description and serialisation ----------------------------------
-
     def pipeline_summary(self):
         """A text table of stages: device, layer count, parameter count."""
         return summary.stage_table(
@@ -504,8 +439,7 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
             self.balance, self.balance_method)
 
     def to_keras(self, device=None, include_optimizer=True):
-        """The plain Keras model with this pipeline's weights, on one device
-        (`tfpipe.saving.to_keras`)."""
+        """The plain Keras model with this pipeline's weights (`tfpipe.saving.to_keras`)."""
         return saving.to_keras(self, device=device, include_optimizer=include_optimizer)
 
     def summary(self, *args, print_fn=None, **kwargs):
@@ -514,11 +448,8 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         (print_fn or print)(self.pipeline_summary())
 
     def get_config(self):
-        config = {
-            "name": self.name,
-            "pipeline": self._pipeline_config.to_json(),
-            "input_dtype": self._input_dtype,
-        }
+        config = {"name": self.name, "pipeline": self._pipeline_config.to_json(),
+                  "input_dtype": self._input_dtype}
         if self._source is not None:
             config["source_model"] = keras.saving.serialize_keras_object(self._source.model)
             config["balance"] = list(self._source.balance)
@@ -538,22 +469,16 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
             self.build(config["input_shape"])
 
     def compile_from_config(self, config):
-        # Keras skips this for models that override compile(); ours only adds
-        # checks, so restoring the saved compile arguments is safe.
+        # Keras skips this for models overriding compile(); ours only adds checks.
         config = keras.saving.deserialize_keras_object(config)
-        # XLA was accepted for the saved layout (all stages on one device); a
-        # model loaded onto several devices runs without it, as compile says.
+        # XLA was accepted for the saved layout; on several devices it is off.
         if config.get("jit_compile") is True and len(set(self.pipeline_devices)) > 1:
             config["jit_compile"] = False
         self.compile(**config)
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        """Rebuilds a saved pipeline under the current `PipelineStrategy`.
-
-        The saved pipeline settings are used, except those the strategy in
-        scope was given explicitly (see `tfpipe.config`).
-        """
+        """Rebuilds a saved pipeline under the current `PipelineStrategy`."""
         config = dict(config)
         strategy = strategy_lib.current_pipeline_strategy() or strategy_lib.PipelineStrategy()
         settings = saving.load_settings(config, strategy.given_settings)

@@ -1,34 +1,9 @@
 """Before a run: what a pipeline configuration costs, and which one to use.
 
-`tfpipe.plan(model, batch_size, num_microbatches, ...)` answers, before
-anything trains, the questions a run's configuration raises: how many
-parameters and how many bytes each stage holds, whether it fits the
-devices, how long a step takes and how much of it the bubble wastes, and
-which M, balance, schedule and recompute mode would do better.
-
-What is *measured* (`tfpipe.costs.measure`, once, on the model's own layers,
-on random batches of one micro-batch's rows and of a quarter of it): per
-unit, its forward and backward seconds (time = fixed + per-row cost, for any
-M) and the tensors its backward keeps from its forward (what a stage stashes
-per micro-batch when it does not recompute).
-
-What is *counted* from the model: parameters and their bytes per stage
-(each variable once, on the first stage that uses it, as `PipelinedModel`
-places it), gradients (one per trainable variable, its dtype), optimizer
-slots (Adam 2 per parameter, SGD with momentum 1, ...; `OPTIMIZER_SLOTS`),
-and the bytes crossing each cut (a stage's input per micro-batch).
-
-What is *predicted* for one configuration is `tfpipe.prediction`'s: each
-stage's and device's peak memory, the step time and the bubble. The
-recommendation tries, for the devices at hand, every M dividing batch_size
-(up to `max_microbatches`, and the requested M), the schedules "gpipe",
-"1f1b", "zbh1", "interleaved" and "zbv" (when the model has enough units),
-every recompute mode and two balances (the given one, and the one minimising
-the slowest stage's measured time), and picks the shortest predicted step
-whose every device peak fits `device_memory_bytes` (when given).
-
-How well it predicts memory is measured against real processes
-(`tfpipe_tests/test_planner.py`, BUILD.md "Planning a run").
+`tfpipe.plan` measures each unit once (`tfpipe.costs.measure`), predicts one
+configuration (`tfpipe.prediction`) and recommends the fastest predicted
+configuration that fits `device_memory_bytes`, trying every M dividing the
+batch, `RECOMMEND_SCHEDULES`, every recompute mode and two balances.
 """
 
 import dataclasses
@@ -54,13 +29,9 @@ MIB = 2.0**20
 
 
 def optimizer_slots(optimizer):
-    """Optimizer state per trainable parameter (0 for SGD, 2 for Adam, ...).
-
-    Args:
-      optimizer: a name ("adam", "sgd", "sgd+momentum", ...), a Keras
-        optimizer instance (its momentum, amsgrad and centered settings are
-        read), or a number of slots.
-    """
+    """Optimizer state per trainable parameter (0 for SGD, 2 for Adam, ...) of
+    a name ("adam", "sgd+momentum", ...), a Keras optimizer (its momentum,
+    amsgrad and centered settings read) or a number of slots."""
     if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
         if optimizer < 0:
             raise ValueError(f"optimizer={optimizer!r}: a number of state slots per "
@@ -91,23 +62,11 @@ def optimizer_slots(optimizer):
         f"instance, or the number of state slots per parameter (e.g. optimizer=2).")
 
 
-# -- the plan --------------------------------------------------------------------
-
-
 @dataclasses.dataclass
 class Recommendation:
-    """The configuration `plan` recommends for the devices at hand.
-
-    Attributes:
-      num_microbatches, schedule (a name for `PipelineStrategy(schedule=)`),
-      recompute, balance (units per stage, for `from_model(balance=)`).
-      step_time_s, bubble_fraction, device_peak_bytes: its predictions.
-      speedup: the planned configuration's step time / this one's.
-      fits: whether every device peak is within device_memory_bytes (None
-        when no limit was given).
-      reason: one line saying why it was chosen.
-    """
-
+    """The configuration `plan` recommends: its settings (`schedule` a name,
+    `balance` units per stage), predictions, `speedup` (the planned step time
+    / this one's), `fits` (None: no limit given) and a one-line `reason`."""
     num_microbatches: int
     schedule: str
     recompute: str
@@ -130,25 +89,9 @@ def _ms(value):
 
 @dataclasses.dataclass
 class Plan:
-    """What `tfpipe.plan` predicts for one configuration (see the module
-    docstring for what is measured and what is predicted).
-
-    Attributes:
-      model: the model's name. batch_size, num_microbatches,
-      microbatch_rows (ceil(batch_size / M)), schedule (name), recompute,
-      optimizer_slots, balance, devices (the D devices used).
-      stages: a `tfpipe.prediction.StagePlan` per stage.
-      device_peak_bytes: per device, predicted peak (static + activations).
-      host_peak_bytes: predicted peak of one host holding every device (as
-        logical CPUs do): the static bytes of all stages + the largest sum of
-        live activations at any simulated time (at most the devices' sum).
-      step_time_s: predicted forward + backward seconds of one step (None
-        when not measured); bubble_fraction: the simulator's idle share.
-      device_memory_bytes: the limit given (None: not checked); fits.
-      recommendation: a `Recommendation` (None when not asked for).
-      measured: how the measurement ran (rows, repeats, seconds it took).
-    """
-
+    """What `tfpipe.plan` predicts for one configuration: `stages` (a
+    `tfpipe.prediction.StagePlan` each), device and host peaks (one host
+    holding every device, as logical CPUs do), step time (None: not timed)."""
     model: str
     batch_size: int
     num_microbatches: int
@@ -185,14 +128,12 @@ class Plan:
         cols = ["stage", "device", "units", "params", "params MiB", "optim MiB",
                 "grads MiB", "input MiB/mb", "stash MiB/mb", "activ. MiB", "peak MiB",
                 "fwd ms/mb", "bwd ms/mb"]
-        rows = []
-        for s in self.stages:
-            rows.append([str(s.stage), s.device.replace("/job:localhost/replica:0/task:0", ""),
-                         str(s.units), f"{s.params:,}", _mib(s.param_bytes),
-                         _mib(s.optimizer_bytes), _mib(s.gradient_bytes),
-                         _mib(s.input_bytes_per_microbatch),
-                         _mib(s.stash_bytes_per_microbatch), _mib(s.activation_bytes),
-                         _mib(s.peak_bytes), _ms(s.forward_s), _ms(s.backward_s)])
+        rows = [[str(s.stage), s.device.replace("/job:localhost/replica:0/task:0", ""),
+                 str(s.units), f"{s.params:,}", _mib(s.param_bytes), _mib(s.optimizer_bytes),
+                 _mib(s.gradient_bytes), _mib(s.input_bytes_per_microbatch),
+                 _mib(s.stash_bytes_per_microbatch), _mib(s.activation_bytes),
+                 _mib(s.peak_bytes), _ms(s.forward_s), _ms(s.backward_s)]
+                for s in self.stages]
         rows.append(["total", "", str(sum(s.units for s in self.stages)), f"{self.params:,}",
                      _mib(sum(s.param_bytes for s in self.stages)),
                      _mib(sum(s.optimizer_bytes for s in self.stages)),
@@ -200,11 +141,9 @@ class Plan:
                      _mib(sum(s.activation_bytes for s in self.stages)),
                      _mib(sum(s.peak_bytes for s in self.stages)), "", ""])
         widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-        lines = [head, "  ".join(c.rjust(w) if i > 1 else c.ljust(w)
-                                 for i, (c, w) in enumerate(zip(cols, widths)))]
-        for r in rows:
-            lines.append("  ".join(v.rjust(w) if i > 1 else v.ljust(w)
-                                   for i, (v, w) in enumerate(zip(r, widths))))
+        lines = [head] + ["  ".join(v.rjust(w) if i > 1 else v.ljust(w)
+                                    for i, (v, w) in enumerate(zip(r, widths)))
+                          for r in [cols] + rows]
         time_text = ("step time not measured" if self.step_time_s is None else
                      f"predicted step {_ms(self.step_time_s)} ms (forward + backward, "
                      f"simulated from measured per-unit times)")
@@ -228,9 +167,6 @@ class Plan:
         return "\n".join(lines)
 
 
-# -- entry point -----------------------------------------------------------------
-
-
 def _positive_int(name, value, fix):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}. {fix}")
@@ -238,11 +174,7 @@ def _positive_int(name, value, fix):
 
 
 def _chain_graph(pipelined):
-    """A hand-made pipeline's stages as one chain: (graph, balance).
-
-    Sequential stages are read layer by layer (the planner may move layers
-    between them); any other stage is one unit.
-    """
+    """A hand-made pipeline as one chain (graph, balance); Sequential stages by layer."""
     build = pipelined.get_build_config()
     if build is None:
         raise ValueError(
@@ -250,8 +182,7 @@ def _chain_graph(pipelined):
             f"stages' shapes are unknown. Build it first (pass input_shape=(None, ...) or "
             f"call model.build(input_shape)), or plan the plain Keras model.")
     shape = build["input_shape"]
-    if not (isinstance(shape, (list, tuple))
-            and all(d is None or isinstance(d, int) for d in shape)):
+    if not graph_lib.is_shape(shape):
         raise ValueError(
             f"model={pipelined.name!r}: hand-made stages with a nested input {shape!r} "
             f"cannot be planned; plan the plain Keras model (from_model) instead.")
@@ -295,40 +226,12 @@ def plan(model, batch_size, num_microbatches, num_stages=None, devices=None, sch
          repeats=2, measure_time=True, recommend=True, max_microbatches=64):
     """Predicts memory and time of a pipeline configuration before it runs.
 
-    Args:
-      model: a `keras.Sequential` or functional `keras.Model` (what
-        `PipelinedModel.from_model` takes) or a built `PipelinedModel`
-        (planned as it is cut, with its devices, schedule and recompute
-        mode unless given here).
-      batch_size: rows per training step.
-      num_microbatches: M (at most batch_size).
-      num_stages: K; default the PipelinedModel's, else v x the devices
-        (at most the model's units).
-      devices: device names; default the PipelinedModel's, else every GPU,
-        else every logical CPU. Only their count matters (D = K / v).
-      schedule: a name or `tfpipe.schedules.Schedule`; default the
-        PipelinedModel's, else "gpipe".
-      recompute: "always", "except_last" or "never"; default the
-        PipelinedModel's, else "except_last".
-      balance: units per stage (a list), or "params" (default for a plain
-        model), "time" or "memory" as in `from_model`.
-      optimizer: "adam" (default), "sgd", "sgd+momentum", ..., a Keras
-        optimizer, or a number of state slots per parameter.
-      device_memory_bytes: each device's memory; when given, the plan says
-        whether it fits and the recommendation only takes configurations
-        that fit.
-      repeats: timed runs per unit function (the fastest counts).
-      measure_time: False skips the timing (no step time; the bubble then
-        assumes equal stages); bytes are still measured.
-      recommend: False skips the search for a better configuration.
-      max_microbatches: the largest M the recommendation tries.
-
-    Returns:
-      A `Plan`; `print(plan)` shows it as a table, `plan.to_dict()` as JSON.
-
-    Raises:
-      ValueError: a bad argument (the message names it, the value and the
-        fix), or a model the planner cannot read.
+    `model`: what `PipelinedModel.from_model` takes, or a built
+    `PipelinedModel`, whose K, devices, schedule and recompute mode are the
+    defaults (else v x every GPU or logical CPU, "gpipe", "except_last").
+    `optimizer`: a name, a Keras optimizer or slots per parameter. `repeats`:
+    timed runs per unit (the fastest counts); `measure_time=False` assumes
+    equal stages. Returns a `Plan` (`print(plan)`: a table; `.to_dict()`).
     """
     batch_size = _positive_int("batch_size", batch_size, "Pass the rows of one training step.")
     m = _positive_int("num_microbatches", num_microbatches,
@@ -401,9 +304,8 @@ def plan(model, batch_size, num_microbatches, num_stages=None, devices=None, sch
 
     def evaluate(m_, schedule_, mode_, balance_):
         d_ = len(balance_) // schedule_.virtual_stages
-        return prediction.evaluate(graph, units, tensor_bytes, rows, batch_size, m_, schedule_, mode_,
-                         balance_, devices[:d_] if d_ <= len(devices) else devices,
-                         slots, measure_time)
+        return prediction.evaluate(graph, units, tensor_bytes, rows, batch_size, m_, schedule_,
+                                   mode_, balance_, devices[:d_], slots, measure_time)
 
     chosen = evaluate(m, schedule, recompute, balance)
     fits = chosen.fits(device_memory_bytes)

@@ -1,27 +1,11 @@
 """What one pipeline configuration costs, predicted from measured unit costs.
 
-Given the per-unit costs `tfpipe.costs.measure` found, a balance, M, a
-schedule and a recompute mode, `evaluate` predicts:
-
-* activations: the schedule is simulated (`tfpipe.schedules.simulate`) with
-  the measured per-stage costs; walking each device's actions in order, a
-  forward adds the micro-batch's stash (the whole stash when it is not
-  recomputed, only the stage's input when it is: `recompute`), its backward
-  adds the replayed stash (when recomputed) and a workspace (the gradients
-  of one unit's inputs and outputs) and then frees the micro-batch. The
-  device's activation peak is the largest sum it reaches; a stage's is the
-  same walk for that stage alone. Bytes scale linearly with micro-batch
-  rows (ceil(batch_size / M), the largest micro-batch).
-* peak memory of a stage: parameters + optimizer state + gradients +
-  activation peak; of a device: the sum over its stages' static bytes +
-  the device's activation peak. Not included: the traced program, the
-  runtime, the input batch, framework workspace beyond the estimate above.
-* step time: the simulated makespan of forward + backward (the simulator
-  adds a second forward to each recomputed micro-batch's backward,
-  `schedules.simulate(recompute=)`), with per-stage costs
-  from the measured unit times at the micro-batch size; communication is
-  free and the optimizer update is not counted. `bubble_fraction` is the
-  simulator's idle share.
+`evaluate` simulates the schedule (`tfpipe.schedules.simulate`) with measured
+per-stage costs at the largest micro-batch's rows, walking each device's
+actions: a forward adds its stash (only the input when recomputed), a
+backward its replay and workspace, then frees the micro-batch. Peaks add the
+parameters, optimizer state and gradients; the step time is the makespan
+(communication and the optimizer update not counted).
 """
 
 import dataclasses
@@ -33,27 +17,10 @@ from tfpipe import schedules
 
 @dataclasses.dataclass
 class StagePlan:
-    """One stage of a plan. Bytes are per stage; `*_per_microbatch` at the
-    plan's micro-batch rows; seconds per micro-batch.
-
-    Attributes:
-      stage, device: index, and the device name it runs on.
-      units: how many units (layers and raw ops) it holds; `first`, `last`:
-        the names of its first and last unit.
-      params: elements of the variables it owns (each variable once, on the
-        first stage using it), as `PipelinedModel.pipeline_summary` counts.
-      param_bytes, optimizer_bytes, gradient_bytes: their bytes, the
-        optimizer's slots and one gradient per trainable variable.
-      input_bytes_per_microbatch: what crosses into it (kept when recomputing).
-      stash_bytes_per_microbatch: what its backward keeps when not recomputing.
-      activation_bytes: the predicted peak of its live activations (stashes,
-        replays and backward workspace) under the schedule and recompute mode.
-      peak_bytes: param + optimizer + gradient + activation bytes.
-      forward_s, backward_s: predicted seconds per micro-batch; the
-        backward alone (a recomputed micro-batch's replay costs a forward_s
-        more, which the step time counts).
-    """
-
+    """One stage of a plan: bytes per stage, seconds per micro-batch. `params`
+    counts each variable once, on its first stage; the input is kept when
+    recomputing, the stash when not; `activation_bytes` is the predicted peak
+    of live activations; `backward_s` excludes a replay's forward."""
     stage: int
     device: str
     units: int
@@ -74,7 +41,6 @@ class StagePlan:
 @dataclasses.dataclass
 class Config:
     """One evaluated configuration (what the recommendation compares)."""
-
     num_microbatches: int
     schedule: object
     recompute: str
@@ -153,10 +119,9 @@ def evaluate(graph, units, tensor_bytes, rows_measured, batch_size, m, schedule,
 
 
 def _activation_peaks(sim, info, mode, m_count, k_count):
-    """Peak live activation bytes per stage, per device, and on one host
-    holding every device, walking the simulated actions (see the module
-    docstring). Per device the walk is in run order; for the host it is in
-    simulated time, so devices whose peaks do not coincide do not add up."""
+    """Peak live activation bytes per stage, per device (in run order) and on
+    one host holding every device (in simulated time, so devices' peaks that
+    do not coincide do not add up)."""
     stage_peak = [0.0] * k_count
     device_peak = [0.0] * len(sim.timeline)
     events = []  # (time, change in host bytes)

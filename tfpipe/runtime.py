@@ -1,29 +1,9 @@
 """One step of a schedule: the action interpreter.
 
-A step (training, or forward only for evaluate/predict) is a walk over the
-schedule's actions. Each action kind has one handler here, written once for
-every execution, and each handler dispatches to the action's stage
-(`tfpipe.stage.Stage`):
-
-  F(k, m)  stage k's forward on micro-batch m (last stage: and its loss parts)
-  B(k, m)  stage k's whole backward: input and weight gradients
-  I(k, m)  the input-gradient half of B (on the critical path)
-  W(k, m)  the weight-gradient half of B (can wait to fill a bubble)
-
-The handlers read and write a *store* (`Store`), keyed by (stage,
-micro-batch); the backends differ only in their store and in how they walk
-the table:
-
-  `tfpipe.unrolled`: Python values, every action traced in the schedule's
-    order with ordering tokens (one graph node per action, or one call of a
-    stage function under execution="stage_functions");
-  `tfpipe.loop`: TensorArrays carried through a `tf.while_loop` over clock
-    ticks, each device a `tf.switch_case` over its actions (one traced body).
-
-Where the execution holds a split backward's ops in the graph (unrolled), I
-builds both halves and W releases the weight half; where it cannot, I and W
-each replay the stage (the loop), or the order was lowered so that I and W
-are one B (stage functions, `tfpipe.step_plan.StepPlan.run_order`).
+Each action kind (F forward, B backward, I and W its input- and
+weight-gradient halves) has one handler here for every execution; it calls
+the action's `tfpipe.stage.Stage` and reads and writes a `Store` keyed by
+(stage, micro-batch), the one thing the backends implement differently.
 """
 
 import typing
@@ -41,9 +21,9 @@ sum_or_none = stage_lib.sum_or_none
 
 
 class Store(typing.Protocol):
-    """Where a step's state lives (m is an int in the unrolled form, a scalar
-    tensor in the loop). `d` is a device index, `k` a stage, `i` a variable
-    of the step's `VariableTable`."""
+    """Where a step's state lives: `d` a device index, `k` a stage, `m` a
+    micro-batch (int, or a scalar tensor in the loop), `i` a variable of the
+    step's `VariableTable`."""
 
     def begin(self, d, structure, release=()):
         """`structure` gated for an action on device d (ordering, timeline);
@@ -95,17 +75,9 @@ class Store(typing.Protocol):
 
 
 class StepResult(typing.NamedTuple):
-    """What one traced training step produced.
-
-    Attributes:
-      y_pred: the last stage's outputs for the whole batch (rows in order,
-        Keras masks and logits attached), for metrics.
-      loss: the step's loss as Keras reports it (float32 scalar, unscaled).
-      term_values: per compiled loss term, its batch value (Keras' per-output
-        `<name>_loss` metrics).
-      grads: one gradient per `VariableTable.variables` entry (None: unconnected).
-    """
-
+    """One training step's result: `y_pred` (whole batch), `loss` (float32,
+    unscaled), `term_values` (per compiled loss term) and `grads` (per
+    `VariableTable.variables` entry; None: unconnected)."""
     y_pred: object
     loss: object
     term_values: list
@@ -114,9 +86,8 @@ class StepResult(typing.NamedTuple):
 
 class Produced:
     """What an action made: its tensors (the device's next action waits for
-    all of them), and graph ops the backend must not chain now
-    (`exclude_ops`: a split backward's weight half, left for W) or must chain
-    now although made earlier (`include_ops`)."""
+    them), ops not to chain now (`exclude_ops`: a weight half left for W) and
+    ops made earlier to chain now (`include_ops`)."""
 
     def __init__(self, tensors, exclude_ops=(), include_ops=()):
         self.tensors = [t for t in tensors if t is not None]
@@ -124,20 +95,10 @@ class Produced:
 
 
 class Interpreter:
-    """The action handlers, over K stages and a store. Pure Python: the
-    stages (`tfpipe.stage.Stage`) and the store (`Store`) do all the
-    TensorFlow work, so a test can drive it with fakes.
-
-    Args:
-      stages: per stage an object with `k`, `indices` (its variables' indices
-        in the step's table), `forward`, `backward`, `backward_input` and
-        `backward_weight`, as `tfpipe.stage.Stage`.
-      stage_device: per stage, its device index.
-      holds_ops: the store holds a split backward's weight half in the
-        graph: I builds both halves and W releases the weight half; else I
-        and W each run the stage's backward for their half.
-      backward_step: a training step (else forward only).
-    """
+    """The action handlers over K stages (as `tfpipe.stage.Stage`) and a
+    store; pure Python, so a test can drive it with fakes. `holds_ops`: the
+    graph holds a split backward's weight half, so I builds both halves and W
+    releases the held one; else I and W each run their half."""
 
     def __init__(self, stages, stage_device, holds_ops, backward_step):
         self.stages, self.stage_device = stages, stage_device
@@ -166,8 +127,7 @@ class Interpreter:
         return Produced(result.produced)
 
     def backward(self, store, d, k, m, kind):
-        """B(k, m), or I or W each running the stage's backward for its half
-        (a store that holds no ops between actions)."""
+        """B(k, m), or I or W each running the stage's backward for its half."""
         if k == 0 and kind == "I":
             return Produced([])  # stage 0 has no input gradient to compute
         g_out = store.begin(d, self.output_gradients(store, k, m))
@@ -181,16 +141,14 @@ class Interpreter:
         return Produced(produced + self._add_weights(store, stage, m, grads, summed))
 
     def backward_input(self, store, d, k, m):
-        """I(k, m) where the store holds ops: both halves, the weight half
-        held back for W."""
+        """I(k, m) building both halves, the weight half held back for W."""
         g_out = store.begin(d, self.output_gradients(store, k, m))
         input_grads, held = self.stages[k].backward_input(m, store.take_kept(k, m), g_out)
         produced = store.put_input_gradients(k, m, input_grads) if k else []
         return Produced(produced, exclude_ops=held)
 
     def backward_weight(self, store, d, k, m):
-        """W(k, m) after `backward_input`: release the held ops, sum their
-        gradients."""
+        """W(k, m) after `backward_input`: releases the held ops."""
         stage = self.stages[k]
         grads, held = stage.backward_weight(m)
         store.begin(d, [], release=held)
@@ -206,30 +164,17 @@ class Interpreter:
         return produced
 
     def output_gradients(self, store, k, m):
-        """d loss / d (stage k's output boundary float leaves), or, for the
-        last stage, the seeds of its loss numerators (and call losses)."""
+        """d loss / d stage k's output float leaves; the last stage's loss seeds."""
         if k < self.num_stages - 1:
             return store.output_gradients(k, m)
         return store.loss_seeds(self.loss_plan, self.scale)
 
 
 class Step(Interpreter):
-    """One traced step of a schedule over a batch: the stages made for it,
-    the handlers (`Interpreter`), and the end of the step.
-
-    Args:
-      plan: the `tfpipe.step_plan.StepPlan`.
-      batch: a `tfpipe.microbatch.Batch`.
-      order: the (device, action) pairs the step will run, in an order the
-        backend walks them (for the loss plan: whether every forward of the
-        last stage runs before its first backward).
-      split: the compiled loss's `tfpipe.loss.LossSplit`; None for a
-        forward-only step (evaluate, predict).
-      scale_loss: optional linear `f(loss)` (Keras' `optimizer.scale_loss`).
-      training: the flag the stages are called with.
-      connectivity: trace the backward pass while probing (the loop form
-        sizes its gradient arrays from it).
-    """
+    """One traced step of a `StepPlan` over a `Batch` in the (device, action)
+    `order` the backend walks: its stages, the handlers and the end of the
+    step. `split` None: forward only; `connectivity`: trace the backward while
+    probing (the loop sizes its gradient arrays from it)."""
 
     def __init__(self, plan, batch, order, split=None, scale_loss=None, training=True,
                  connectivity=False):
@@ -266,8 +211,7 @@ class Step(Interpreter):
             self.bn_before.update(recorder.before_step())
 
     def _probe(self, recorders, training, connectivity):
-        """The stages' `boundary.Interface`s for this batch; in a training
-        step the loss terms are also built and classified."""
+        """The stages' `boundary.Interface`s (a training step also classifies loss terms)."""
         split = self.split
         x0, y0, sw0 = self.batch.micro(0)
 
@@ -283,8 +227,6 @@ class Step(Interpreter):
             self.plan.layers, x0, training, extra=(y0, sw0), on_output=on_output,
             connectivity=connectivity,
             around_stage=(lambda k: recorders[k].forward()) if connectivity else None)
-
-    # -- the end of the step ----------------------------------------------
 
     def finish(self, store):
         """The `StepResult` of a training step (after every action ran)."""
@@ -310,8 +252,8 @@ class Step(Interpreter):
         return StepResult(y_pred, loss, term_values, grads)
 
     def _commit_batch_norm(self, sites_per_stage):
-        """Deferred BatchNorm: one moving-statistics update per call site,
-        on each stage's device; plain BatchNorm: refuse empty micro-batches."""
+        """Deferred BatchNorm: one moving-statistics update per call site;
+        plain BatchNorm: refuse empty micro-batches."""
         ops = []
         if (self.plan.batch_norm == "plain" and self.num_microbatches > 1
                 and any(batchnorm.batch_norm_layers(layer) for layer in self.plan.layers)):
@@ -323,8 +265,7 @@ class Step(Interpreter):
         return ops
 
     def finish_forward(self, store):
-        """(y_pred, call losses weighted per micro-batch or None) of a
-        forward-only step."""
+        """(y_pred, weighted call losses or None) of a forward-only step."""
         with self.plan.stage_scope(self.num_stages - 1):
             y_pred = store.merged_outputs()
         call_loss = (sum_or_none(store.loss_sums()[2])

@@ -1,28 +1,9 @@
 """What a saved pipeline is keyed by, and the plain Keras model behind one.
 
-A pipelined model's stages are a *view* of one Keras model. What is saved is
-keyed by that model, never by the stage layout, so whatever is written at K
-stages loads at K' stages:
-
-- `tf.train.Checkpoint(model=pipelined, optimizer=pipelined.optimizer)`: a
-  model cut by `from_model` has exactly its source model's checkpoint
-  children, so the keys are those `tf.train.Checkpoint(model=plain_model)`
-  writes (non-trainable variables such as BatchNorm statistics included).
-- `save_weights` / `load_weights` and `.keras` files: the weights are stored
-  under the source model's layers (Keras keys them by layer class and order).
-- Optimizer slots: the optimizer is built on `trainable_variables` in the
-  source model's order, so slot i belongs to the same variable at any K.
-
-Pipelines built from hand-made `stages` (not `from_model`) are keyed by stage
-(`stage_0`, ...): they load only at their own layout.
-
-`to_keras(model)` returns the plain Keras model (no tfpipe classes) with the
-trained weights, and optionally the optimizer state, on one device. Loading
-is `tfpipe.layout.load_model`, which tells the `PipelinedModel.from_config`
-it triggers what it asks for (`LoadRequest`, `current_load_request`).
-
->>> plain = tfpipe.to_keras(pipelined)               # doctest: +SKIP
->>> plain.save("serving.keras")                      # loads without tfpipe
+A cut model's checkpoints and files are keyed by its source model, never by
+the stage layout, so what is written at K stages loads at K' stages;
+hand-made stages load only at their own layout. `to_keras` returns the plain
+Keras model; `LoadRequest` carries what `tfpipe.layout.load_model` asks.
 """
 
 import contextlib
@@ -65,13 +46,9 @@ def loading(request):
 
 
 def saved_balance(saved_balance, strategy, schedule, where="this file"):
-    """The balance a saved, cut model is rebuilt with under `strategy`.
-
-    Inside `load_model`: the requested balance; else the saved one when the
-    strategy places as many stages; else "params" over the strategy's stages.
-    Outside it (plain `keras.models.load_model`): the saved balance, or a
-    ValueError naming the fix when the strategy cannot place it.
-    """
+    """The balance a saved, cut model is rebuilt with under `strategy`: in
+    `load_model` the requested one, else the saved one if the strategy places
+    as many stages, else "params"; outside it the saved one if it fits."""
     request = current_load_request()
     saved_balance = list(saved_balance)
     slots = strategy.max_stages(schedule)
@@ -90,9 +67,8 @@ def saved_balance(saved_balance, strategy, schedule, where="this file"):
 
 
 def load_settings(config, given):
-    """The pipeline settings a saved `PipelinedModel` config loads with: the
-    saved ones, those the strategy in scope was `given` explicitly, then
-    `load_model`'s overrides (pops them from `config`)."""
+    """The settings a saved config loads with (popped from `config`): the saved
+    ones, then those the strategy was `given`, then `load_model`'s overrides."""
     saved = config.pop("pipeline", None)
     if saved is None:  # saved by tfpipe 0.1: settings at the top level
         saved = {k: config.pop(k, None) for k in ("num_microbatches", "recompute", "execution")}
@@ -106,8 +82,7 @@ def load_settings(config, given):
 
 
 def serialize_stages(stages, name):
-    """Hand-made stages' configs, one per stage; a ValueError if a layer is
-    shared by two stages (saved one by one, they would no longer share it)."""
+    """Hand-made stages' configs; refuses a layer shared by two stages."""
     owners = {}
     for k, stage in enumerate(stages):
         for layer in _internal.flatten_layers(stage):
@@ -122,8 +97,7 @@ def serialize_stages(stages, name):
 
 
 def deserialize_stages(stage_configs, devices, custom_objects=None):
-    """Hand-made stages from their configs, each made on its device (a
-    deserialised Sequential builds itself)."""
+    """Hand-made stages from their configs, each made on its device."""
     stages = []
     for k, stage_config in enumerate(stage_configs):
         with devices_lib.scope(devices[k]) if k < len(devices) else contextlib.nullcontext():
@@ -133,23 +107,9 @@ def deserialize_stages(stage_configs, devices, custom_objects=None):
 
 
 def to_keras(model, device=None, include_optimizer=True):
-    """The plain Keras model behind `model`, with its weights, on one device.
-
-    Args:
-      model: a built `tfpipe.PipelinedModel`.
-      device: where the copy's variables live (e.g. "/CPU:0", "/GPU:0");
-        None: TensorFlow's default device.
-      include_optimizer: when `model` is compiled, compile the copy with the
-        same loss, metrics and optimizer, its state (step count, slots)
-        copied, so that training the copy continues where the pipeline is.
-
-    Returns:
-      A new `keras.Model` with no tfpipe classes: for a `from_model`
-      pipeline a copy of the source model (same architecture and layer
-      names); for hand-made stages a functional model chaining them. It
-      shares nothing with `model`, saves with `model.save` and loads with
-      plain `keras.models.load_model` (tfpipe not imported).
-    """
+    """A new plain `keras.Model` (a copy of the source model, or hand-made
+    stages chained) with `model`'s weights, on `device`; `include_optimizer`
+    compiles it as `model` is, optimizer state copied."""
     if getattr(model, "pipeline_config", None) is None or not model.built:
         raise ValueError(f"to_keras needs a built tfpipe.PipelinedModel, got "
                          f"{type(model).__name__}; call model.build(input_shape) or fit "
@@ -162,8 +122,7 @@ def to_keras(model, device=None, include_optimizer=True):
     source = model.source_model if model.source_model is not None else _chain(model)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.keras")
-        # Keras' own serialisation: architecture, weights and assets (lookup
-        # tables, adapted preprocessing) exactly as a user's save would.
+        # Keras' own serialisation keeps assets (lookup tables, adapted layers).
         source.save(path, include_optimizer=False)
         with tf.device(device) if device else contextlib.nullcontext():
             plain = keras.models.load_model(path, compile=False)
@@ -182,13 +141,9 @@ def to_keras(model, device=None, include_optimizer=True):
 def _chain(model):
     """Hand-made stages as one functional model: inputs -> stage 0 -> ... -> K-1."""
     build = model.get_build_config()
-    shape, dtype = build["input_shape"], build["input_dtype"]
-
-    def make_input(s):
-        return keras.Input(batch_shape=tuple(s), dtype=dtype)
-
-    inputs = inputs_lib.map_shapes(make_input, shape)
-    h = inputs
+    inputs = h = inputs_lib.map_shapes(
+        lambda s: keras.Input(batch_shape=tuple(s), dtype=build["input_dtype"]),
+        build["input_shape"])
     for stage in model.stages:
         h = stage(h)
     name = model.name[len("pipelined_"):] if model.name.startswith("pipelined_") else model.name
@@ -196,10 +151,7 @@ def _chain(model):
 
 
 def compile_like(target, source):
-    """Compiles `target` as `source` is compiled (loss, metrics, an optimizer
-    of the same config) and carries the optimizer state over. Both train the
-    same variables in the same order (a cut model builds its optimizer on
-    `trainable_variables` in its source model's order)."""
+    """Compiles `target` as `source` is, carrying the optimizer state over."""
     config = keras.saving.deserialize_keras_object(source.get_compile_config())
     config.pop("jit_compile", None)
     config["optimizer"] = source.optimizer.__class__.from_config(source.optimizer.get_config())
@@ -210,8 +162,7 @@ def compile_like(target, source):
 
 
 def _copy_optimizer_state(source, target):
-    """Copies `source`'s variables (iterations, learning rate, slots) into
-    `target`, built on the same variables in the same order."""
+    """Copies `source`'s variables (iterations, learning rate, slots) into `target`."""
     if not source.built:
         return
     if not target.built:

@@ -1,30 +1,12 @@
 """One stage at run time: its forward, its backward halves and its replay.
 
-The interpreter (`tfpipe.runtime`) dispatches each action of the schedule to
-a `Stage`, as PyTorch's schedules call `forward_one_chunk` and
-`backward_one_chunk`; the stage owns what only it knows: its layer and
-device, its input and output boundaries (`tfpipe.boundary`), its replay
-state (`tfpipe.recompute`), its BatchNorm recording (`tfpipe.batchnorm`)
-and, per micro-batch, a split backward's weight half held back for W.
-
-    forward(m, packed)                  F: outputs, call losses, loss parts,
-                                        BatchNorm moments, and what to keep
-    backward(m, kept, g_out, kind)      B, or I / W replaying the stage
-    backward_input(m, kept, g_out)      I built whole; its weight half held
-    backward_weight(m)                  W of such an I: the held half
-
-Each stage's backward is its own `tape.gradient` under its own device (one
-global tape would put the whole backward on the default device), seeded from
-the loss numerators at the last stage (`tfpipe.loss`), never through
-d loss / d y_pred, which Keras' crossentropy on a softmax/sigmoid output
-leaves unconnected.
-
-Under execution="stage_functions" a forward calls the stage's one traced
-`tf.function` (`StageFunction`); a re-materialised backward calls
-`StageBackward` (replay, gradients and the sums of dense weight gradients,
-all in one call); a kept forward's backward is TF's gradient of its call.
-Calls are made through their concrete functions (`CalledFunction`), so the
-step's graph grows with M by about one op per action.
+The interpreter (`tfpipe.runtime`) dispatches each action to a `Stage`. Each
+backward is its own `tape.gradient` under the stage's device (one global tape
+would put the whole backward on the default device), seeded at the last stage
+by the loss numerators (`tfpipe.loss`): Keras' crossentropy on a
+softmax/sigmoid output leaves d loss / d y_pred unconnected. Under
+execution="stage_functions" a stage is one traced function (`StageFunction`,
+`StageBackward`) that each action calls.
 """
 
 import contextlib
@@ -47,22 +29,8 @@ def sum_or_none(values):
 
 
 class StepInputs(typing.NamedTuple):
-    """What every stage of one traced step shares.
-
-    Attributes:
-      batch: the `tfpipe.microbatch.Batch`.
-      split: the compiled loss's `tfpipe.loss.LossSplit`; None for a
-        forward-only step.
-      training: the flag the stages are called with.
-      interfaces: the K `tfpipe.boundary.Interface`s of the step.
-      recompute: the recompute mode ("always", "except_last", "never").
-      traits: the `tfpipe.config.Execution`.
-      observer: optional object with `on_stage_call(k)`, told of every
-        stage call made while tracing (tests count replays with it).
-      scale: the loss scale (Keras' `optimizer.scale_loss` of 1; float32
-        scalar), in a training step.
-    """
-
+    """What every stage of one traced step shares (`split` None: forward only;
+    `scale`: the float32 loss scale, `scale_loss(1)`)."""
     batch: object
     split: object
     training: bool
@@ -75,14 +43,12 @@ class StepInputs(typing.NamedTuple):
 
 class Replay(typing.NamedTuple):
     """What a backward replays F(k, m) from: its input boundary and seeds."""
-
     packed: object
     seeds: list
 
 
 class Taped(typing.NamedTuple):
     """F(k, m) kept whole: its tape and what it computed."""
-
     packed: object
     tape: object
     out: object
@@ -91,12 +57,8 @@ class Taped(typing.NamedTuple):
 
 
 class Forward(typing.NamedTuple):
-    """What F(k, m) computed: the outputs (packed as the boundary unless the
-    last stage), the call losses weighted by the micro-batch's share of the
-    batch (or None), the loss parts (last stage of a training step), the
-    BatchNorm moments, what its backward needs (`Replay`, `Taped`; None in a
-    forward-only step), and the tensors the device's next action waits for."""
-
+    """What F(k, m) computed; `extra`: its call losses weighted by the
+    micro-batch's share; `produced`: what the device's next action waits for."""
     out: object
     extra: object
     parts: list
@@ -106,19 +68,7 @@ class Forward(typing.NamedTuple):
 
 
 class Stage:
-    """Stage k of one traced step.
-
-    Args:
-      k: the stage's index; num_stages: K.
-      layer: the Keras layer it runs.
-      device: its `tfpipe.devices.StageDevice`.
-      state: its `tfpipe.recompute.StageState` (seeds, exact replay).
-      variables: [(i, variable, home)]: the step's index of each trainable
-        variable the stage uses, and whether the stage is its home (the
-        first stage using it: its gradient sum lives there).
-      shared: the `StepInputs`.
-      recorder: its `tfpipe.batchnorm.Recorder` (active in deferred mode, M > 1).
-    """
+    """Stage k of K in one traced step; `variables`: [(table index, variable, is home)]."""
 
     def __init__(self, k, num_stages, layer, device, state, variables, shared, recorder):
         self.k, self.num_stages, self.layer, self.device = k, num_stages, layer, device
@@ -134,8 +84,6 @@ class Stage:
             self.function = StageFunction(self)
             self.backward_function = StageBackward(self)
 
-    # -- forward ---------------------------------------------------------------
-
     def call(self, inputs, training):
         """The layer on `inputs`: (outputs, its call losses summed or None)."""
         if self.shared.observer is not None:
@@ -144,16 +92,14 @@ class Stage:
         return out, sum_or_none(_internal.call_losses(self.layer))
 
     def labels(self, m):
-        """(y_true, sample_weight) of micro-batch m where this stage needs
-        them (the last stage of a training step), else (None, None)."""
+        """(y_true, sample_weight) of micro-batch m if this stage takes the loss, else Nones."""
         if self.is_last and self.shared.split is not None:
             _, y_true, sample_weight = self.shared.batch.micro(m)
             return y_true, sample_weight
         return None, None
 
     def run(self, m, packed, record=False):
-        """The forward on micro-batch m's input boundary `packed`:
-        (outputs, call losses, loss parts, BatchNorm moments)."""
+        """(outputs, call losses, loss parts, moments) of the forward on boundary `packed`."""
         real = self.shared.batch.split.real(m)  # 0: a stand-in for an empty micro-batch
         y_true, sample_weight = self.labels(m)
         if self.function is not None:
@@ -179,9 +125,7 @@ class Stage:
         return out if self.is_last else boundary.pack(out, self.shared.interfaces[self.k])
 
     def forward(self, m, packed):
-        """F(k, m). In a training step it records BatchNorm moments and keeps
-        what the backward needs: the input and seeds where the recompute
-        policy replays micro-batch m, else the forward's tape."""
+        """F(k, m); a training step keeps m's input and seeds if replayed, else its tape."""
         kept, moments = None, []
         if self.shared.split is None:
             out, extra, parts, _ = self.run(m, packed)
@@ -190,9 +134,8 @@ class Stage:
             kept = Replay(packed, self.state.snapshot_seeds())
             out, extra, parts, moments = self.run(m, packed, record=True)
         else:
-            with tf.GradientTape() as tape:
-                tape.watch(float_leaves(packed) if self.k else [])
-                out, extra, parts, moments = self.run(m, packed, record=True)
+            tape, (out, extra, parts, moments) = _taped_run(
+                self.k, packed, lambda: self.run(m, packed, record=True))
             kept = Taped(packed, tape, self.pack(out), extra, parts)
         packed_out = self.pack(out)
         produced = (float_leaves(packed_out) or [t for t in tf.nest.flatten(packed_out)
@@ -202,30 +145,14 @@ class Stage:
         return Forward(packed_out, weighted, parts, moments, kept, produced)
 
     def extra_seed(self, m):
-        """`seed()`: the seed of micro-batch m's call losses (its share of
-        the batch, loss-scaled), made only where the stage has them."""
+        """`seed()`: micro-batch m's call-loss seed (its batch share, loss-scaled)."""
         return lambda: self.shared.batch.split.fraction(m) * self.shared.scale
 
-    # -- backward --------------------------------------------------------------
-
     def backward(self, m, kept, g_out, weight_sum=None, want_inputs=True, want_weights=True):
-        """B(k, m), or one half of it (I: `want_weights=False`; W:
-        `want_inputs=False`), each replaying the stage if `kept` is a `Replay`.
-
-        Args:
-          kept: what F(k, m) kept (`Replay` or `Taped`).
-          g_out: the gradients of the output boundary's float leaves (None
-            where the loss does not reach one), or, for the last stage, the
-            seeds of its loss numerators.
-          weight_sum: `weight_sum(i)`, the step's running gradient sum of
-            variable i (None: none yet); a B under stage functions adds to
-            it inside its call.
-        Returns:
-          (gradients of the input boundary's float leaves, or [] without
-          `want_inputs`; per variable of `self.variables` its gradient, or
-          [] without `want_weights`; per variable whether that is already the
-          new running sum), None where unconnected.
-        """
+        """B(k, m), or its I or W half, replaying the stage if `kept` is a
+        `Replay`. `g_out`: the output float leaves' gradients, or the last
+        stage's loss seeds. Returns (input gradients, weight gradients, per
+        weight whether it is already the running sum `weight_sum(i)`)."""
         if (self.backward_function is not None and isinstance(kept, Replay)
                 and want_inputs and want_weights):
             return self.backward_function(kept, g_out, m, weight_sum)
@@ -235,10 +162,8 @@ class Stage:
         return input_grads, grads, [False] * len(grads)
 
     def backward_input(self, m, kept, g_out):
-        """I(k, m) built whole: one `tape.gradient` for both halves; the ops
-        only the weight gradients need are held back until
-        `backward_weight(m)` (W's place), so W costs only those ops.
-        Returns (input gradients, the held ops)."""
+        """I(k, m) as one `tape.gradient` for both halves; the weight-only ops
+        are held for `backward_weight(m)`. Returns (input gradients, held ops)."""
         tape, packed, out, extra, parts = self._taped(m, kept, g_out)
         graph = tf.compat.v1.get_default_graph()
         first_op = len(graph.get_operations())
@@ -251,39 +176,33 @@ class Stage:
         return input_grads, ops
 
     def backward_weight(self, m):
-        """W(k, m) after `backward_input(m)`: (the weight gradients, the ops
-        held back for them)."""
+        """W(k, m) after `backward_input(m)`: (weight gradients, their held ops)."""
         return self.held.pop(m)
 
     def _taped(self, m, kept, g_out):
-        """(tape, packed input, packed output, call losses, loss parts) of
-        F(k, m) from what its forward kept: its tape, or a replay with its
-        seeds."""
+        """(tape, input, output, call losses, loss parts) of F(k, m): kept, or replayed."""
         if isinstance(kept, Taped):
             return kept.tape, kept.packed, kept.out, kept.extra, kept.parts
-        # The replay must run at backward time, not as soon as its input
-        # exists (its intermediates would then live as long as without
-        # recompute). A copy of the stage's ops needs a data dependency on
-        # the incoming gradient for it, or grappler merges it with the
-        # original forward. (Stage functions replay in `StageBackward`,
-        # whose call takes the gradient as an input.)
+        # The replay waits by data for the incoming gradient: else it runs as
+        # soon as its input exists (its intermediates live as long as without
+        # recompute), or grappler merges it with the original forward.
         packed = after_gradient(kept.packed, g_out)
-
-        def replay():
-            with tf.GradientTape() as tape:
-                tape.watch(float_leaves(packed) if self.k else [])
-                result = self.run(m, packed)
-            return tape, result
-
-        tape, (out, extra, parts, _) = self.state.replay(kept.seeds, replay)
+        tape, (out, extra, parts, _) = self.state.replay(
+            kept.seeds, lambda: _taped_run(self.k, packed, lambda: self.run(m, packed)))
         return tape, packed, self.pack(out), extra, parts
+
+
+def _taped_run(k, packed, fn):
+    """(tape, fn()), the float leaves of stage k's input boundary watched."""
+    with tf.GradientTape() as tape:
+        tape.watch(float_leaves(packed) if k else [])
+        result = fn()
+    return tape, result
 
 
 def stage_gradients(stage, tape, packed, out, extra, parts, g_out, extra_seed,
                     want_inputs=True, want_weights=True):
-    """Stage k's backward from its taped forward (see `Stage.backward`);
-    `out` is the packed output boundary, `extra_seed()` the seed of the
-    stage's call losses."""
+    """Stage k's backward from its taped forward (see `Stage.backward`)."""
     sources = float_leaves(packed) if stage.k else []
     if stage.is_last:
         targets, seeds = [s for s, _, _ in parts], list(g_out)
@@ -303,31 +222,19 @@ def stage_gradients(stage, tape, packed, out, extra, parts, g_out, extra_seed,
     return grads[:n], grads[n:]
 
 
-# -- stage functions -------------------------------------------------------------
-
-
 def call_scope(traits):
-    """Context to trace and call a step of the execution `traits` in (Keras'
-    train, test and predict functions; benchmarks that call a step themselves).
-
-    Under stage functions, grappler's function optimizer is off for the
-    step: it would specialise a stage function to each action that calls it
-    and optimise every copy again at the first call (MobileNetV2 in 4 stages
-    at M=8: a first fit 2x longer). Nothing inside a stage is inlined
-    either way; the other graph optimisations still run.
-    """
+    """Context to trace and call a step of the execution `traits` in. Under
+    stage functions grappler's function optimizer is off: it would specialise
+    and optimise a stage function again for each action calling it."""
     if traits.stage_functions:
         return _internal.function_optimizer_off()
     return contextlib.nullcontext()
 
 
 class CalledFunction:
-    """A stage's `tf.function` for execution="stage_functions": not inlined
-    (TF places and optimises its body once, not in every call's copy), and
-    called through its concrete function wherever a call's argument types
-    repeat ones seen before, on its tensors in TF's order: in a profile of
-    the step's trace, TF's own lookup and argument binding cost more than
-    making the call op, and a step makes several calls per micro-batch."""
+    """A stage's `tf.function`, not inlined (TF optimises its body once), and
+    called through its concrete function once a call's argument types were
+    seen: TF's own lookup and argument binding cost more than the call op."""
 
     def __init__(self, body):
         self.function = tf.function(body, autograph=False, reduce_retracing=True,
@@ -355,9 +262,8 @@ class CalledFunction:
 
 
 def _argument_types(leaves):
-    """What TF traces a call by, from its arguments' leaves, as a hashable
-    key: each leaf's shape and dtype, or its Python value; None if a leaf is
-    of another kind (TF's own lookup then decides)."""
+    """A hashable key of what TF traces a call by (each leaf's shape and
+    dtype, or Python value); None for other leaves (TF's lookup decides)."""
     key = []
     for leaf in leaves:
         if leaf is None or isinstance(leaf, (bool, int, float, str)):
@@ -371,16 +277,8 @@ def _argument_types(leaves):
 
 
 class StageFunction:
-    """A stage's forward traced once per step trace as a `tf.function`, and
-    called once per micro-batch (and per replay): the step's graph holds one
-    call op per action instead of a copy of the stage, so the stage's Python
-    runs once whatever M (TF builds the function's gradient once, too).
-
-    What crosses the call is tensors only: the output boundary with its Keras
-    masks and logits packed (`tfpipe.boundary`), attached again outside; the
-    loss parts' numerators and divisors; the BatchNorm moments, whose layers
-    are remembered from the trace.
-    """
+    """A stage's forward traced once per step trace and called per action; only
+    tensors cross the call (masks, logits and BatchNorm layers reattached)."""
 
     def __init__(self, stage):
         self.stage = stage
@@ -390,9 +288,7 @@ class StageFunction:
 
     def _traced_body(self, packed, y_true, sample_weight, real):
         stage = self.stage
-        # A function body does not inherit the caller's device scope: name
-        # the stage's device on its ops (its gradient's ops take the device
-        # of the op that calls them, the backward action's).
+        # A function body does not inherit the caller's device scope.
         with stage.device.scope():
             out, extra, parts, moments = stage.body(packed, y_true, sample_weight, real,
                                                     self.record)
@@ -410,26 +306,11 @@ class StageFunction:
 
 
 class StageBackward:
-    """A stage's replay and whole backward, traced once per step trace as a
-    `tf.function` (execution="stage_functions", re-materialised micro-batches):
-    one call op per backward action, where a replay through `StageFunction`
-    costs a call, its gradient's call, a gate and a sum per weight.
-
-    A call takes the kept input boundary and seeds (`Replay`), the incoming
-    gradients (so it runs at backward time without a gate), and `sums`: per
-    weight of the stage, the sum of its gradients so far, or None where the
-    sum stays outside. It returns the input boundary's gradients and, per
-    weight, the new sum where one went in, else the gradient itself.
-
-    A sum goes in only for a dense gradient (an `IndexedSlices` is
-    concatenated outside, `tfpipe.gradients`) of a weight whose home is this
-    stage (a shared weight's sum lives on its home stage's device). Before
-    the first call no sum exists: it gets a scalar zero (0 + g is g
-    exactly), and the function is traced once for sums of any shape, so
-    the later calls do not trace it again. Which gradients are sparse is
-    known from that trace; a sparse one ignores its zero, and its weight
-    then passes None (one more trace, for stages with an embedding).
-    """
+    """A stage's replay and whole backward as one function call per backward
+    action. It takes the incoming gradients (so it runs at backward time
+    without a gate) and, per weight homed here with a dense gradient, its
+    running sum (first a scalar zero: 0 + g is g exactly; traced for sums of
+    any shape, so later calls do not retrace)."""
 
     def __init__(self, stage):
         self.stage = stage
@@ -441,15 +322,9 @@ class StageBackward:
     def _traced_body(self, packed, seeds, y_true, sample_weight, real, g_out, extra_seed,
                      sums):
         stage = self.stage
-
-        def replay():
-            with tf.GradientTape() as tape:
-                tape.watch(float_leaves(packed) if stage.k else [])
-                out, extra, parts, _ = stage.body(packed, y_true, sample_weight, real, False)
-            return tape, out, extra, parts
-
         with stage.device.scope():
-            tape, out, extra, parts = stage.state.replay(seeds, replay)
+            tape, (out, extra, parts, _) = stage.state.replay(seeds, lambda: _taped_run(
+                stage.k, packed, lambda: stage.body(packed, y_true, sample_weight, real, False)))
             input_grads, grads = stage_gradients(stage, tape, packed, stage.pack(out), extra,
                                                  parts, g_out, lambda: extra_seed)
             self.sparse |= {j for j, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)}
@@ -458,9 +333,7 @@ class StageBackward:
         return input_grads, grads
 
     def __call__(self, kept, g_out, m, weight_sum):
-        """(input gradients, per weight its gradient or new sum, per weight
-        whether it is a sum); `weight_sum(i)`: the sum so far of the step's
-        variable i, or None."""
+        """(input gradients, per weight its gradient or new sum, whether each is a sum)."""
         stage = self.stage
         sums = []
         for j, i in enumerate(stage.indices):
@@ -497,9 +370,6 @@ def _sum_like(total, grad):
     return out
 
 
-# -- replays and held weight halves ----------------------------------------------
-
-
 def after_gradient(h, g_out):
     """`h`, made to wait by data for the incoming gradient `g_out`."""
     anchor = next((g for g in g_out if g is not None), None)
@@ -518,23 +388,15 @@ _CONTROL_FLOW = frozenset({"While", "StatelessWhile", "If", "StatelessIf", "Case
 
 
 def weight_only_ops(new_ops, input_gradients):
-    """Of the ops one `tape.gradient` call made, those only weight gradients
-    need: every stateless op that is not an ancestor of an input gradient or
-    of a stateful op.
-
-    These are the W half of a split backward (each layer's dW from its input
-    and its output gradient); the rest (the chain of activation gradients)
-    is the I half.
-    """
+    """The W half of the ops one `tape.gradient` call made: every stateless
+    op that is not an ancestor of an input gradient or of a stateful op."""
     if any(op.type in _CONTROL_FLOW for op in new_ops):
-        # A backward through a loop or branch (an LSTM's while loop) builds
-        # ops whose order TF ties together: holding some back made cycles.
-        # Such a stage's W then only adds up what I computed.
+        # TF ties the order of a loop's or branch's backward ops (an LSTM):
+        # holding some back made cycles, so W only adds up what I computed.
         return []
     created = {id(op) for op in new_ops}
-    # Stateful ops (and what they need) stay at I: tf.function orders
-    # stateful ops in creation order, so one held back to W would wait for
-    # later actions that wait for it (a cycle; seen with an LSTM's backward).
+    # Stateful ops (and what they need) stay at I: tf.function runs them in
+    # creation order, so one held back to W would wait on actions waiting on it.
     needed, frontier = set(), [getattr(t, "op", None) for t in input_gradients] + [
         op for op in new_ops if _is_stateful(op)]
     while frontier:
@@ -552,9 +414,7 @@ def _is_stateful(op):
 
 
 def release(ops, after):
-    """Makes the first ops of `ops` (those with no input from `ops`) wait for
-    `after` (an op or tensor): the weight half runs where W sits in the
-    schedule, not where I built it."""
+    """Makes the first ops of `ops` wait for `after`: a held W half runs at W's place."""
     if after is None or not ops:
         return
     after = getattr(after, "op", after)

@@ -1,8 +1,7 @@
 """What a step runs: the stages, their devices, the variable table, the options.
 
-The engine (`tfpipe.engine.Pipeline`) builds one `StepPlan` and hands it to
-its backend; the backends, the interpreter (`tfpipe.runtime`) and the stages
-(`tfpipe.stage`) read it and never see the `Pipeline`.
+The engine builds one `StepPlan`; the backends, the interpreter and the
+stages read it and never see the `Pipeline`.
 """
 
 import dataclasses
@@ -13,15 +12,9 @@ from tfpipe import schedules
 
 
 class VariableTable:
-    """Each distinct trainable variable of the stages, in stage order, and
-    the stages that use it (the first is its home: its storage and its
-    gradient sum live there).
-
-    Attributes:
-      variables: the distinct trainable variables.
-      per_stage: per stage, the indices (into `variables`) of those it uses.
-      users: per variable, the stages that use it.
-    """
+    """The stages' distinct trainable `variables`, the indices each stage uses
+    (`per_stage`) and the stages using each (`users`; the first is its home,
+    where its storage and gradient sum live)."""
 
     def __init__(self, layers):
         self.variables, self.per_stage, self.users = [], [], []
@@ -46,20 +39,10 @@ class VariableTable:
 
 @dataclasses.dataclass(frozen=True)
 class TraceOptions:
-    """How steps are traced; not saved with the model. Set them with
-    `PipelinedModel.set_trace_options`.
-
-    Attributes:
-      enforce_order: control dependencies make each device run its actions
-        in exactly the schedule's order (as one accelerator stream would).
-      serialize_ops: every op of a device runs one after another in trace
-        order, as on an accelerator's stream (benchmarks on CPU: without it
-        a logical CPU device runs independent ops of one action at once,
-        which a GPU stream would not). The loop form ignores it.
-      observer: an object with `on_stage_call(k)`, told of each stage call
-        while a step is traced (`tfpipe.testing.StageCalls` counts them).
-    """
-
+    """How steps are traced (`PipelinedModel.set_trace_options`; not saved):
+    `enforce_order` each device's actions in the schedule's order;
+    `serialize_ops` each device's ops one after another, as on a stream (not
+    in the loop); `observer.on_stage_call(k)` told of each traced stage call."""
     enforce_order: bool = True
     serialize_ops: bool = False
     observer: object = None
@@ -67,20 +50,8 @@ class TraceOptions:
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """The static part of every step of one pipeline.
-
-    Attributes:
-      layers: the K stage layers.
-      devices: the D `tfpipe.devices.StageDevice`s the schedule runs on.
-      stage_device: per stage, the index of its device.
-      states: per stage, its `tfpipe.recompute.StageState`.
-      schedule: the `tfpipe.schedules.Schedule`.
-      recompute: the recompute mode.
-      batch_norm: "deferred" or "plain".
-      traits: the `tfpipe.config.Execution`.
-      options: the `TraceOptions`.
-    """
-
+    """The static part of every step of one pipeline (D `StageDevice`s; per
+    stage its device index and `StageState`)."""
     layers: tuple
     devices: tuple
     stage_device: tuple
@@ -100,8 +71,7 @@ class StepPlan:
         return self.devices[self.stage_device[k]].scope()
 
     def variable_table(self):
-        """The `VariableTable` of the stages as they are now (read when a
-        step is traced: a stage's variables exist once it is built)."""
+        """The `VariableTable` of the stages as they are now (when traced)."""
         return VariableTable(self.layers)
 
     def home_scope(self, table, i):
@@ -109,10 +79,8 @@ class StepPlan:
         return self.stage_scope(table.home(i))
 
     def run_order(self, num_microbatches, forward_only=False):
-        """The validated (device, action) order a step is traced in: the
-        schedule's, with I and W merged into B where this execution cannot
-        hold W apart from I (nor can one that holds W's ops in the graph
-        when running eagerly: there is no graph)."""
+        """The validated (device, action) order, I and W merged into B where the
+        execution cannot hold W apart (nor can any, eagerly: there is no graph)."""
         order = schedules.validate(self.schedule, num_microbatches, len(self.devices))
         if forward_only:
             return [(d, a) for d, a in order if a.kind == "F"]

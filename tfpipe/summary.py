@@ -9,15 +9,8 @@ from tfpipe import schedules
 
 def stage_table(stages, stage_devices, outputs, config, num_devices, replica_devices,
                 balance, balance_method):
-    """A text table of stages: device, layer count, parameter count, output.
-
-    Args:
-      stages: the K stage layers; stage_devices: replica 0's device of each.
-      outputs: each stage's symbolic output (None: not built).
-      config: the `tfpipe.config.PipelineConfig`; num_devices: D.
-      replica_devices: per data-parallel replica, its device of each stage.
-      balance, balance_method: as `from_model` cut the model (None: hand-made).
-    """
+    """A text table of stages: device (replica 0's), layer count, parameter
+    count, output (`outputs`: each stage's symbolic output, or None)."""
     k = len(stages)
     sim = schedules.simulate(config.schedule, config.num_microbatches, num_devices)
     lines = [

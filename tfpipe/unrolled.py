@@ -1,23 +1,12 @@
 """The unrolled backend: every action of the schedule traced, in its order.
 
-The step's state is Python values keyed by (stage, micro-batch); each
-action is traced once, under its device, in the order
-`StepPlan.run_order` gives. Ordering tokens make each device run its actions in the table's
-order, as one accelerator stream would: an action's inputs wait for the
-device's previous action, whose token exists only once everything that
-action produced does (ordering on the input gradient alone let TF run the
-weight-gradient ops late, keeping every micro-batch's tensors alive).
-
-A forward keeps its tape unless the recompute policy replays it. A split
-backward (I then W) is one `tape.gradient` at I whose weight-only ops are
-held back by a control edge until W's turn on the device
-(`stage.release`): W costs only the weight-gradient ops, as in the
-zero-bubble paper, not a second backward.
-
-The graph and its trace time grow with M; the loop form does not. Under
-execution="stage_functions" (`tfpipe.stage.StageFunction` and
-`StageBackward`) each action is a call of a function traced once per stage,
-so they grow far less.
+The step's state is Python values keyed by (stage, micro-batch). Ordering
+tokens make each device run its actions in the table's order, as one stream
+would: an action's inputs wait for the device's previous action, whose token
+exists only once everything that action produced does (ordering on the input
+gradient alone let TF run the weight-gradient ops late, keeping every
+micro-batch's tensors alive). A split backward's weight-only ops are held
+back from I until W (`stage.release`).
 """
 
 import tensorflow as tf
@@ -45,22 +34,17 @@ class UnrolledStore:
         self.seeds_cache = None
         self.grads = [None] * len(step.variables)
         self.unique_rows = set()  # variables whose slices are merged row by row
-        # Ordering: each device's token, and the current action's gate.
-        self.last = [None] * len(self.plan.devices)
+        self.last = [None] * len(self.plan.devices)  # each device's token
         self.start = None
         self.enforce_order = self.plan.options.enforce_order and not tf.executing_eagerly()
-        # Under stage functions an action is a call or two: the walk puts
-        # the whole action under a control edge from the device's token
-        # rather than an identity per input tensor here (`begin`). With a
-        # timeline the start stamp needs the inputs gated, as unrolled.
+        # Under stage functions the walk puts the whole action under a control
+        # edge from the token, not an identity per input (`begin`); a timeline's
+        # start stamp needs the inputs gated.
         self.orders_by_control = (self.enforce_order and self.plan.traits.stage_functions
                                   and timeline is None)
 
-    # -- ordering and timeline ---------------------------------------------
-
     def begin(self, d, structure, release=()):
-        """`structure`, made to wait for device d's previous action; the
-        action's start stamp is taken once those inputs exist."""
+        """`structure` made to wait for device d's previous action (and the start stamp)."""
         if self.enforce_order and self.last[d] is not None and not self.orders_by_control:
             with tf.control_dependencies([self.last[d]]):
                 structure = _identity(structure)
@@ -77,8 +61,6 @@ class UnrolledStore:
             self.last[d] if self.enforce_order else None)
         stage_lib.release(list(release), gate)
         return structure
-
-    # -- forward -----------------------------------------------------------
 
     def stage_input(self, k, m):
         return self.batch.micro(m)[0] if k == 0 else self.acts.pop((k, m))
@@ -103,8 +85,6 @@ class UnrolledStore:
     def _divisor_sums(self):
         return [runtime.sum_or_none(ds) if ds and ds[0] is not None else None
                 for ds in self.divisors]
-
-    # -- backward ----------------------------------------------------------
 
     def take_kept(self, k, m):
         return self.kept.pop((k, m))
@@ -135,8 +115,6 @@ class UnrolledStore:
 
     def weight_sum(self, i):
         return self.grads[i]
-
-    # -- the end of the step -------------------------------------------------
 
     def gradients(self):
         out = []
@@ -182,7 +160,6 @@ class UnrolledBackend:
         serialize = plan.options.serialize_ops and not tf.executing_eagerly()
         last_op = [None] * len(plan.devices)  # each device's last op (serialize_ops)
         for d, action in order:
-            # (Listing the graph's ops costs O(graph); only for serialize_ops.)
             first_op = len(graph.get_operations()) if serialize else None
             store.start = None
             token = [store.last[d]] if store.orders_by_control and store.last[d] is not None else []
@@ -190,8 +167,7 @@ class UnrolledBackend:
                 produced = step.run(store, d, action)
                 end = None
                 if timeline is not None:
-                    # After the start too: an action may produce nothing (stage
-                    # 0's I, whose weight half waits for W).
+                    # After the start too: an action may produce nothing (stage 0's I).
                     with tf.control_dependencies(produced.tensors + [
                             t for t in [store.start, store.last[d]] if t is not None]):
                         end = _internal.unordered_timestamp()
@@ -200,12 +176,9 @@ class UnrolledBackend:
                                          end=end))
                     store.last[d] = end
                 elif produced.tensors and store.enforce_order:
-                    # Under stage functions an action whose outputs all come
-                    # from one call op has that op as its token. (Not an
-                    # inlined layer's op: with it as the token, predictions at
-                    # 4 and 2 stages differed in the last bit (test_layout);
-                    # a control edge out of an op can change what grappler
-                    # fuses, we think, not verified.)
+                    # Under stage functions a device's token is the call op all its
+                    # outputs come from (not an inlined layer's op: a control edge
+                    # out of it changed predictions in the last bit, test_layout).
                     makers = {id(t.op): t.op for t in produced.tensors}
                     if store.orders_by_control and len(makers) == 1:
                         store.last[d] = next(iter(makers.values()))
@@ -215,9 +188,8 @@ class UnrolledBackend:
             if serialize:
                 excluded = {id(op) for op in produced.exclude_ops}
                 new = [op for op in graph.get_operations()[first_op:] if id(op) not in excluded]
-                # Ops made earlier but released by this action (a split W's
-                # weight half) wait for its gate; with a timeline that is the
-                # start stamp made here, so they are chained right after it.
+                # Ops released by this action (a W's held half) wait for its gate,
+                # with a timeline the start stamp: chain them right after it.
                 at = next((i + 1 for i, op in enumerate(new)
                            if store.start is not None and op is store.start.op), 0)
                 ops = new[:at] + produced.include_ops + new[at:]
