@@ -6,7 +6,7 @@ What installs what:
     pip install '.[plot]'    + matplotlib, for `tfpipe.profile` Gantt charts
     pip install '.[train]'   + what `launch/` (the trainer) and `benchmarks/` import:
                              TensorBoard, TensorFlow Datasets, scikit-learn, matplotlib
-    pip install '.[test]'    [train] + pytest + keras-hub's small dependencies
+    pip install '.[test]'    [train] + pytest, pytest-xdist + keras-hub's small dependencies
 
 Only the package `tfpipe` is installed. `models/`, `launch/` and `benchmarks/`
 are folders of the repository, run from its root (`python -m launch.train`);
@@ -49,6 +49,6 @@ setup(
     extras_require={
         "plot": PLOT,
         "train": TRAIN,
-        "test": [*TRAIN, "pytest", *KERAS_HUB_DEPS],
+        "test": [*TRAIN, "pytest", "pytest-xdist", *KERAS_HUB_DEPS],
     },
 )

@@ -1,29 +1,32 @@
-"""What the benchmarks share: fresh child processes, the machine label, peak RSS, tables.
+"""What the benchmarks share: child processes, other trees, the machine label, tables.
 
 Every measured configuration runs in its own child process (`run_child`), so
 that the thread-pool sizes and the number of logical CPU devices are set
 before TensorFlow initialises, and so that each child's peak memory is its own.
 A child is this module run as a script:
 
-    python -m benchmarks.common '{"target": "benchmarks.schedules:measure_step",
+    python -m benchmarks.common '{"target": "benchmarks.speedup:measure",
                                   "intra_op": 1, "inter_op": 2, "devices": 2,
-                                  "kwargs": {...}}'
+                                  "tree": null, "kwargs": {...}}'
 
-It sets the threads and devices, imports the target function, calls it with
-`kwargs` and prints its dict as one JSON line after `RESULT_MARKER`; the parent
-reads that line. A child that raises, dies or runs over its time or memory
-limit comes back as a dict with an "error" key instead, so a suite keeps going.
+It sets the threads, puts "tree" (another checkout of the repository, for a
+before/after comparison) first on sys.path so that `tfpipe` is imported from
+there, makes the devices, calls the target with `kwargs` and prints its dict as
+one JSON line after `RESULT_MARKER`. A child that raises, dies or runs over its
+time or memory limit comes back as a dict with an "error" key (the exception's
+last line) instead, so a run keeps going.
 
-Also here: `machine()` (the label every absolute time carries), `peak_rss_mib()`
-(VmHWM from /proc/self/status), the plain MLP used by the benchmarks,
-`markdown_table` and `replace_section` (rewrites BUILD.md between markers).
+Older trees spell two things differently; `call_scope` and `serialize_ops` take
+either spelling, so the same measurement runs against both.
 """
 
+import contextlib
 import datetime
 import json
 import os
 import pathlib
 import platform
+import statistics
 import subprocess
 import sys
 import threading
@@ -33,78 +36,45 @@ import traceback
 RESULT_MARKER = "@@tfpipe-benchmark-result@@ "
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-BEGIN_MARKER = "<!-- benchmarks:begin -->"
-END_MARKER = "<!-- benchmarks:end -->"
 
 
-# -- the machine ----------------------------------------------------------------
-
-
-def _cpu_model():
-    name = platform.processor()
-    if name and name != platform.machine():
-        return name
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return name or platform.machine() or "unknown CPU"
-
-
-def usable_cores():
-    """CPU cores this process may run on (affinity), else os.cpu_count()."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+# -- the machine ----------------------------------------------------------------------
 
 
 def machine():
-    """The label for absolute numbers: CPU, core counts, versions, date."""
+    """The label every absolute number carries: CPU, cores, versions, date, load."""
+    from importlib import metadata  # pylint: disable=import-outside-toplevel
+    processor = platform.processor()
+    try:
+        processor = next(line.split(":", 1)[1].strip() for line in
+                         pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.lower().startswith("model name"))
+    except (OSError, StopIteration):
+        pass
     versions = {"python": platform.python_version()}
-    for name in ("tensorflow", "keras"):
-        module = sys.modules.get(name)
-        if module is not None:
-            versions[name] = module.__version__
-        else:
-            try:
-                from importlib import metadata  # pylint: disable=import-outside-toplevel
-                dist = "tensorflow-cpu" if name == "tensorflow" else name
+    for name, dists in (("tensorflow", ("tensorflow", "tensorflow-cpu")), ("keras", ("keras",))):
+        for dist in dists:
+            with contextlib.suppress(metadata.PackageNotFoundError):
                 versions[name] = metadata.version(dist)
-            except Exception:  # pylint: disable=broad-except
-                pass
-    return {
-        "processor": _cpu_model(),
-        "platform_processor": platform.processor(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "usable_cores": usable_cores(),
-        "system": platform.system(),
-        "versions": versions,
-        "date": datetime.date.today().isoformat(),
-        "load_average_at_start": _loadavg(),
-    }
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {"processor": processor or platform.machine(), "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+            "versions": versions, "date": datetime.date.today().isoformat(),
+            "load_average_at_start": load}
 
 
-def machine_label(info=None):
-    """One line: e.g. "AMD EPYC (x86_64), 2 cores, TF 2.21.0, Keras 3.15.1"."""
-    info = info or machine()
-    v = info.get("versions", {})
+def machine_label(info):
+    """One line, e.g. "AMD EPYC (x86_64), 2 usable of 2 cores, TF 2.21.0, Keras 3.15.1"."""
+    v = info["versions"]
     return (f"{info['processor']} ({info['machine']}), {info['usable_cores']} usable of "
             f"{info['cpu_count']} cores, TF {v.get('tensorflow', '?')}, "
-            f"Keras {v.get('keras', '?')}")
+            f"Keras {v.get('keras', '?')}; load average {info['load_average_at_start']}")
 
 
-def _loadavg():
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
-# -- memory -------------------------------------------------------------------------
+# -- memory -------------------------------------------------------------------------------
 
 
 def _status_mib(field, pid="self"):
@@ -119,12 +89,8 @@ def _status_mib(field, pid="self"):
 
 
 def peak_rss_mib():
-    """This process's peak resident set (VmHWM), MiB; ru_maxrss where no /proc."""
-    value = _status_mib("VmHWM")
-    if value is None:
-        import resource  # pylint: disable=import-outside-toplevel
-        value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    return value
+    """This process's peak resident set since start or the last reset (VmHWM), MiB."""
+    return _status_mib("VmHWM")
 
 
 def rss_mib():
@@ -132,66 +98,122 @@ def rss_mib():
     return _status_mib("VmRSS")
 
 
-# -- tfpipe.schedules without TensorFlow -------------------------------------------
+# -- other trees ----------------------------------------------------------------------
 
 
-def schedules_module():
-    """`tfpipe.schedules` (pure Python), without importing TensorFlow here.
+def parse_trees(values, current="new"):
+    """`--tree` values ("LABEL=PATH" or "PATH", each possibly comma-separated)
+    -> [(label, path)], the current checkout first as (current, None).
 
-    `import tfpipe.schedules` runs `tfpipe/__init__`, which imports TensorFlow;
-    the parent of the child processes only needs the schedule arithmetic, so
-    where TensorFlow is not loaded yet the module is loaded from its file.
+    Raises ValueError naming a value that is no checkout of tfpipe, or a label
+    used twice.
     """
-    if "tfpipe" in sys.modules or "tensorflow" in sys.modules:
-        import tfpipe.schedules  # pylint: disable=import-outside-toplevel
-        return tfpipe.schedules
-    name = "_tfpipe_schedules_standalone"
-    if name not in sys.modules:
-        import importlib.util  # pylint: disable=import-outside-toplevel
-        spec = importlib.util.spec_from_file_location(
-            name, REPO_ROOT / "tfpipe" / "schedules.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    trees = [(current, None)]
+    for item in (part.strip() for value in values for part in value.split(",")):
+        if not item:
+            continue
+        label, _, path = item.rpartition("=")
+        path = pathlib.Path(path).expanduser().resolve()
+        label = label or path.name
+        if not (path / "tfpipe" / "__init__.py").is_file():
+            raise ValueError(f"--tree={item!r}: {path} holds no tfpipe/__init__.py; pass a "
+                             f"checkout of the repository, e.g. --tree=old=/work/base")
+        if label in dict(trees):
+            raise ValueError(f"--tree={item!r}: the label {label!r} is taken; name it, "
+                             f"e.g. --tree=old={path}")
+        trees.append((label, str(path)))
+    return trees
 
 
-# -- child processes -------------------------------------------------------------
+def interleave(configs, trees):
+    """[(config, (label, path))]: every tree per configuration, trees alternating
+    (A, B, A, B, ...), so drift over the run falls on both alike."""
+    return [(config, tree) for config in configs for tree in trees]
+
+
+def add_tree_ratios(rows, key, fields):
+    """Each row of another tree than the first row's gets, per field, the first
+    tree's value over its own at the same `key(row)`: "<field>_vs_tree"."""
+    current = rows[0]["tree"] if rows else None
+    mine = {key(r): r for r in rows if r["tree"] == current and "error" not in r}
+    for row in rows:
+        base = mine.get(key(row))
+        if row["tree"] != current and base and "error" not in row:
+            row.update({f"{f}_vs_tree": base[f] / row[f] for f in fields})
+    return rows
+
+
+def tree_table(columns, rows, ratios):
+    """`markdown_table`, with a tree column and `ratios` ((header, field) of
+    `add_tree_ratios`) where the rows come from several trees."""
+    if len({r["tree"] for r in rows}) > 1:
+        current = rows[0]["tree"]
+        columns = [("tree", "tree", 0)] + columns + [
+            (f"{current}/tree {header}", f"{field}_vs_tree", 3) for header, field in ratios]
+    return markdown_table(columns, rows)
+
+
+def call_scope(model):
+    """The context a step of `model` is traced and called in, as Keras' fit
+    does: tfpipe's call scope for a pipelined model (`tfpipe.stage.call_scope(
+    traits)`; older trees: `tfpipe.runtime.call_scope(execution)`), none for
+    plain Keras."""
+    import tfpipe  # pylint: disable=import-outside-toplevel
+    if not isinstance(model, tfpipe.PipelinedModel):
+        return contextlib.nullcontext()
+    if hasattr(getattr(tfpipe, "stage", None), "call_scope"):
+        return tfpipe.stage.call_scope(model.pipeline_config.traits)
+    return tfpipe.runtime.call_scope(model.execution)
+
+
+def serialize_ops(model):
+    """Each device of `model` runs its ops one at a time in trace order: one
+    stream per device, as on an accelerator (older trees: an engine attribute)."""
+    if hasattr(model, "set_trace_options"):
+        model.set_trace_options(serialize_ops=True)
+    else:
+        model.pipeline.serialize_ops = True
+
+
+def step_function(model):
+    """`model`'s training step as Keras' fit traces it: a tf.function without
+    AutoGraph (it would convert tfpipe's own Python, which fit never does);
+    trace and call it inside `call_scope(model)`."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    return tf.function(lambda x, y: model.train_step((x, y)), autograph=False)
+
+
+# -- child processes ------------------------------------------------------------------
 
 
 def error_line(result):
-    """The last line of a child's "error" (its exception's message), or None
-    where the child succeeded."""
+    """The last line of a child's "error" (its exception), or None where it succeeded."""
     if "error" not in result:
         return None
     lines = str(result["error"]).strip().splitlines()
     return lines[-1] if lines else ""
 
 
-def run_child(target, kwargs=None, *, intra_op=1, inter_op=1, devices=1, timeout=1200,
-              rss_limit_mib=None, env=None):
+def run_child(target, kwargs=None, *, intra_op=1, inter_op=1, devices=1, tree=None,
+              timeout=1800, rss_limit_mib=None, env=None):
     """Runs `target(**kwargs)` in a fresh Python process; returns its dict.
 
     Args:
-      target: "module:function", e.g. "benchmarks.schedules:measure_step".
+      target: "module:function" of this repository, e.g. "benchmarks.speedup:measure".
       kwargs: JSON-serialisable keyword arguments.
       intra_op, inter_op: TensorFlow thread-pool sizes, set before it initialises.
       devices: logical CPU devices (`tfpipe.testing.use_logical_cpus`).
+      tree: another checkout to import `tfpipe` from (None: this one).
       timeout: seconds before the child is killed.
-      rss_limit_mib: if given, the child is killed once its resident set
-        exceeds this (polled every 50 ms); the result then has
-        "error": "rss_limit" and "rss_limit_mib".
-      env: extra environment variables for the child.
+      rss_limit_mib: the child is killed once its resident set exceeds this
+        (polled every 50 ms); the result is then {"error": "rss_limit", ...}.
+      env: extra environment variables.
     Returns:
-      The child's result dict with "child_wall_s" added, or
-      {"error": ..., "stderr_tail": ...} when the child failed.
+      The child's dict with "child_wall_s", or {"error": ..., "stderr_tail": ...}.
     """
     payload = {"target": target, "kwargs": kwargs or {}, "intra_op": intra_op,
-               "inter_op": inter_op, "devices": devices}
-    env = dict(os.environ, **(env or {}))
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env["PYTHONPATH"] = os.pathsep.join(
-        ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []) + [str(REPO_ROOT)])
+               "inter_op": inter_op, "devices": devices, "tree": tree}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.common", json.dumps(payload)],
                             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
@@ -202,7 +224,7 @@ def run_child(target, kwargs=None, *, intra_op=1, inter_op=1, devices=1, timeout
             while proc.poll() is None:
                 rss = _status_mib("VmRSS", proc.pid)
                 if rss is not None and rss > rss_limit_mib:
-                    killed["rss_mib"] = rss
+                    killed["error"] = "rss_limit"
                     proc.kill()
                     return
                 time.sleep(0.05)
@@ -212,109 +234,93 @@ def run_child(target, kwargs=None, *, intra_op=1, inter_op=1, devices=1, timeout
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
-        killed["timeout_s"] = timeout
-    wall = time.perf_counter() - start
-    result = None
+        killed["error"] = f"timeout after {timeout} s"
+    result = {}
     for line in stdout.splitlines():
         if line.startswith(RESULT_MARKER):
             result = json.loads(line[len(RESULT_MARKER):])
-    if killed.get("rss_mib") is not None:
-        return {"error": "rss_limit", "rss_limit_mib": rss_limit_mib,
-                "rss_at_kill_mib": killed["rss_mib"], "child_wall_s": wall}
-    if killed.get("timeout_s") is not None:
-        return {"error": "timeout", "timeout_s": timeout, "child_wall_s": wall,
-                "stderr_tail": stderr[-2000:]}
-    if result is None or proc.returncode:
-        result = dict(result or {})
+    if killed:
+        result = dict(killed, rss_limit_mib=rss_limit_mib)
+    elif not result or proc.returncode:
         result.setdefault("error", f"child exited with {proc.returncode}")
         result["stderr_tail"] = stderr[-3000:]
-    result["child_wall_s"] = wall
+    result["child_wall_s"] = time.perf_counter() - start
     return result
 
 
 def _child_main(payload):
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     # Before any op initialises the runtime: thread pools, then devices.
     tf.config.threading.set_intra_op_parallelism_threads(payload["intra_op"])
     tf.config.threading.set_inter_op_parallelism_threads(payload["inter_op"])
+    tree = payload.get("tree")
+    if tree:
+        sys.path.insert(0, tree)  # before the editable install's finder
     import tfpipe  # pylint: disable=import-outside-toplevel
-    tfpipe.testing.use_logical_cpus(payload["devices"])
-    module_name, function_name = payload["target"].split(":")
-    import importlib  # pylint: disable=import-outside-toplevel
-    function = getattr(importlib.import_module(module_name), function_name)
     try:
+        if tree and not pathlib.Path(tfpipe.__file__).resolve().is_relative_to(tree):
+            raise RuntimeError(f"tfpipe came from {tfpipe.__file__}, not from {tree}")
+        tfpipe.testing.use_logical_cpus(payload["devices"])
+        module_name, function_name = payload["target"].split(":")
+        import importlib  # pylint: disable=import-outside-toplevel
+        function = getattr(importlib.import_module(module_name), function_name)
         result = function(**payload["kwargs"])
     except Exception:  # pylint: disable=broad-except
-        result = {"error": traceback.format_exc()[-3000:]}
-        print(RESULT_MARKER + json.dumps(result), flush=True)
+        print(RESULT_MARKER + json.dumps({"error": traceback.format_exc()[-3000:]}), flush=True)
         sys.exit(1)
-    result.setdefault("threads", {"intra_op": payload["intra_op"],
-                                  "inter_op": payload["inter_op"]})
+    result["tfpipe_file"] = tfpipe.__file__
     print(RESULT_MARKER + json.dumps(result), flush=True)
 
 
-# -- the model ---------------------------------------------------------------------
+# -- models, timing ---------------------------------------------------------------------
 
 
-def mlp_layers(count, width, activation="relu"):
-    """`count` Dense(width) layers: equal cost, so any equal cut gives equal stages."""
+def mlp_layers(count, width):
+    """`count` Dense(width, relu) layers: equal cost, so an equal cut gives equal stages."""
     import keras  # pylint: disable=import-outside-toplevel
-    return [keras.layers.Dense(width, activation=activation) for _ in range(count)]
+    return [keras.layers.Dense(width, activation="relu") for _ in range(count)]
 
 
-def random_batch(batch, width, seed=0):
-    """(x, y): float32 (batch, width) inputs and regression targets."""
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    gen = tf.random.Generator.from_seed(seed)
-    return gen.normal((batch, width)), gen.normal((batch, width))
+def alternate(runs, repeats):
+    """Calls each of `runs` ({name: function returning a time}) `repeats` times,
+    rotating which goes first each round; {name: [time, ...]}."""
+    names, out = list(runs), {name: [] for name in runs}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            out[name].append(runs[name]())
+    return out
 
 
-def count_ops(concrete):
-    """(ops in the step's graph, ops including every nested function body)."""
-    graph_def = concrete.graph.as_graph_def()
-    nested = sum(len(f.node_def) for f in graph_def.library.function)
-    return len(graph_def.node), len(graph_def.node) + nested
+def median(values):
+    return statistics.median(values) if values else None
 
 
-# -- tables and BUILD.md ---------------------------------------------------------
+# -- tables and files ---------------------------------------------------------------------
 
 
 def fmt(value, digits=2):
+    """A table cell: "-" for None, floats to `digits` places (or a format spec)."""
     if value is None:
         return "-"
+    if isinstance(digits, str):
+        return format(value, digits)
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     return str(value)
 
 
-def markdown_table(headers, rows):
-    """A GitHub markdown table; cells are formatted with `fmt`."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    for row in rows:
-        lines.append("| " + " | ".join(c if isinstance(c, str) else fmt(c) for c in row) + " |")
-    return "\n".join(lines)
+def markdown_table(columns, rows):
+    """A GitHub markdown table of dict rows; `columns`: (header, key, digits or spec).
 
-
-def replace_section(text, body, begin=BEGIN_MARKER, end=END_MARKER):
-    """`text` with what lies between the markers replaced by `body`.
-
-    The markers themselves stay. Raises ValueError if they are missing, out
-    of order or there twice.
+    A row with an "error" shows it in place of its missing cells.
     """
-    if text.count(begin) != 1 or text.count(end) != 1:
-        raise ValueError(f"Expected exactly one {begin!r} and one {end!r}; found "
-                         f"{text.count(begin)} and {text.count(end)}.")
-    head, rest = text.split(begin)
-    middle, tail = rest.split(end) if end in rest else (None, None)
-    if middle is None:
-        raise ValueError(f"{end!r} comes before {begin!r}.")
-    return head + begin + "\n" + body.strip("\n") + "\n" + end + tail
-
-
-def rewrite_build_md(path, body):
-    path = pathlib.Path(path)
-    path.write_text(replace_section(path.read_text(), body))
+    lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [fmt(row.get(key), digits) for _, key, digits in columns]
+        if row.get("error"):
+            cells[-1] = "error: " + row["error"].replace("|", "\\|")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def write_json(path, data):
@@ -324,14 +330,61 @@ def write_json(path, data):
     return path
 
 
-def parse_ints(text):
-    """"1,2,4" -> [1, 2, 4]."""
-    return [int(part) for part in str(text).split(",") if part.strip()]
+def begin(argv):
+    """A benchmark's main starts: no stray arguments; prints the machine.
+    Returns (the machine, the start time)."""
+    from absl import app  # pylint: disable=import-outside-toplevel
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    info = machine()
+    print(f"machine: {machine_label(info)}")
+    return info, time.perf_counter()
 
 
-def median(values):
-    import statistics  # pylint: disable=import-outside-toplevel
-    return statistics.median(values) if values else None
+def finish(out, info, start, rows, caption, table, **extra):
+    """Writes the run to `out` (JSON: machine, `extra`, rows, wall time) and
+    prints the caption, the table and where it went."""
+    path = write_json(out, {"machine": info, **extra, "rows": rows,
+                            "wall_s": time.perf_counter() - start})
+    print(f"\n{caption}; {machine_label(info)}\n\n{table}\n\nwrote {path}")
+
+
+def list_validator(flag, ok, expected):
+    """An absl validator: every item of list flag `flag` passes `ok`; else the
+    error names the first that does not ("--flag: 'x' is not <expected>")."""
+    from absl import flags  # pylint: disable=import-outside-toplevel
+
+    def check(values):
+        bad = [value for value in values if not ok(value)]
+        if bad:
+            raise flags.ValidationError(f"--{flag}: {bad[0]!r} is not {expected}")
+        return True
+    flags.register_validator(flag, check)
+
+
+def positive_ints(flag):
+    list_validator(flag, lambda v: v.isdigit() and int(v) >= 1, "an integer >= 1")
+
+
+def one_of(flag, choices):
+    list_validator(flag, choices.__contains__, f"one of {', '.join(choices)}")
+
+
+def define_tree_flags():
+    """`--tree` (another checkout to measure beside this one) and `--label`."""
+    from absl import flags  # pylint: disable=import-outside-toplevel
+    flags.DEFINE_multi_string("tree", [], "Another checkout to run the same measurement "
+                              "against, LABEL=PATH or PATH (label: its folder's name); "
+                              "repeatable or comma-separated.")
+    flags.DEFINE_string("label", "new", "The label of this checkout's rows.")
+
+    def check(values):
+        try:
+            parse_trees(values["tree"], values["label"])
+        except ValueError as e:
+            raise flags.ValidationError(str(e)) from None
+        return True
+    flags.register_multi_flags_validator(["tree", "label"], check)
 
 
 if __name__ == "__main__":

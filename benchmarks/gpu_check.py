@@ -1,56 +1,41 @@
 """One prepared check of tfpipe on a machine with an NVIDIA GPU (under 5 minutes).
 
-    python -m benchmarks.gpu_check --output=/tmp/gpu_check.json
+    python -m benchmarks.gpu_check                       # writes benchmarks/results/gpu_check.json
     python -m benchmarks.gpu_check --cpu_dry_run --output=/tmp/dry.json   # logic, on CPUs
 
-The one physical GPU is split into 4 logical GPUs (`tf.config.set_logical_device_configuration`
-with `--memory_limit_mib` each) before TensorFlow starts; K = 2 runs on the
-first two, K = 4 on all four. It measures:
+The one physical GPU is split into 4 logical GPUs (`--memory_limit_mib` each)
+before TensorFlow starts; K = 2 runs on the first two, K = 4 on all four:
 
   exactness   weights after `--steps` Adam steps, pipelined (K = 2 and 4, M = 4,
               GPipe and 1F1B) against plain Keras on logical GPU 0: max |dw|;
-  placement   every stage's variables and Adam slots on its stage's device;
-  speed-up    step time of K = 2 at M in {1, 4, 8} against the same model on
-              one logical GPU, beside the ideal K*M / (M + K - 1) and the
-              simulator's (`benchmarks.schedules.simulated_speedup`). Logical
-              GPUs share one chip, so this measures tfpipe's overhead and
+  placement   every stage's variables and Adam slots on its stage's device (K = 4);
+  speed-up    K = 2 at M in {1, 4, 8} against the same model on one logical GPU
+              (median of `--repeats` steps), beside `tfpipe.schedules.simulate`'s
+              ideal. Logical GPUs share one chip: this measures overhead and
               overlap on one chip, not a two-GPU speed-up;
-  memory      peak bytes per logical GPU (`tf.config.experimental.get_memory_info`
-              after `reset_memory_stats`) for each recompute mode, K = 2, M = 8.
+  memory      peak bytes per logical GPU of a K = 2, M = 8 step per recompute mode.
 
-It writes one JSON object to `--output` and prints a table. Without a GPU it
-prints why and exits with status 0, writing `{"ran": false, "reason": ...}`;
-`--cpu_dry_run` runs every check on 4 logical CPUs with a small model (memory
-figures are then None: CPU devices report none), so the script's logic is
-tested on machines without a GPU (`tfpipe_tests/test_benchmarks.py`).
+It prints the tables and writes one JSON object to `--output`; exit status 1
+if a check fails. Without a GPU it says why, writes {"ran": false, "reason":
+...} and exits 0. `--cpu_dry_run` runs every check on 4 logical CPUs with a
+small model (memory figures are then None: CPU devices report none), so the
+logic is tested without a GPU (`tfpipe_tests/test_gpu_check.py`).
 """
 
-import argparse
-import json
+import glob
 import os
-import sys
+import platform
 import time
 
+from benchmarks import common
+
 NUM_LOGICAL = 4
+RECOMPUTE = ("never", "except_last", "always")
 
 
-def _flags(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output", required=True, help="Path of the JSON results.")
-    parser.add_argument("--cpu_dry_run", action="store_true",
-                        help="Run every check on 4 logical CPUs with a small model.")
-    parser.add_argument("--memory_limit_mib", type=int, default=8192,
-                        help="Memory of each of the 4 logical GPUs.")
-    parser.add_argument("--steps", type=int, default=3, help="Adam steps per exactness run.")
-    parser.add_argument("--repeats", type=int, default=10, help="Timed steps per speed-up row.")
-    return parser.parse_args(argv)
-
-
-def _no_gpu_before_tensorflow():
-    """Why there is surely no GPU, found without starting TensorFlow (which
-    takes seconds), or None."""
-    import glob  # pylint: disable=import-outside-toplevel
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+def _no_gpu():
+    """Why there is surely no GPU, found without starting TensorFlow, or None."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
         return "CUDA_VISIBLE_DEVICES hides every GPU; unset it, or pass --cpu_dry_run"
     if not glob.glob("/dev/nvidia[0-9]*"):
         return ("no NVIDIA device on this machine (no /dev/nvidia0); run on a machine with "
@@ -67,20 +52,13 @@ def _devices(cpu_dry_run, memory_limit_mib):
         return "CPU", [d.name for d in tf.config.list_logical_devices("CPU")]
     gpus = tf.config.list_physical_devices("GPU")
     if not gpus:
-        return None, ("no GPU visible to TensorFlow (tf.config.list_physical_devices('GPU') "
-                      "is empty); run on a machine with an NVIDIA GPU and a CUDA build of "
-                      "TensorFlow (pip install 'tensorflow[and-cuda]'), or pass --cpu_dry_run")
+        return None, ("no GPU visible to TensorFlow; run on a machine with an NVIDIA GPU and "
+                      "a CUDA build of TensorFlow (pip install 'tensorflow[and-cuda]'), or "
+                      "pass --cpu_dry_run")
     tf.config.set_logical_device_configuration(
         gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mib)
                   for _ in range(NUM_LOGICAL)])
     return "GPU", [d.name for d in tf.config.list_logical_devices("GPU")]
-
-
-def _model_size(cpu_dry_run):
-    # GPU: 8 Dense(2048) layers, batch 512 (big enough to keep a chip busy);
-    # dry run: tiny.
-    return dict(layers=8, width=32, batch=32) if cpu_dry_run else \
-        dict(layers=8, width=2048, batch=512)
 
 
 def _reference(size, seed=0):
@@ -91,31 +69,31 @@ def _reference(size, seed=0):
     return keras.Sequential([keras.Input((size["width"],))] + layers)
 
 
+def _twin(ref):
+    import keras  # pylint: disable=import-outside-toplevel
+    copy = keras.models.clone_model(ref)
+    copy.set_weights(ref.get_weights())
+    return copy
+
+
 def _data(size, batches, seed=0):
     import numpy as np  # pylint: disable=import-outside-toplevel
-    rng = np.random.default_rng(seed)
-    n = size["batch"] * batches
-    x = rng.normal(size=(n, size["width"])).astype("float32")
-    y = np.tanh(x[:, ::-1]).astype("float32")
-    return x, y
+    x = np.random.default_rng(seed).normal(
+        size=(size["batch"] * batches, size["width"])).astype("float32")
+    return x, np.tanh(x[:, ::-1]).astype("float32")
 
 
 def _pipelined(ref, devices, m, schedule="gpipe", recompute="never"):
-    import keras  # pylint: disable=import-outside-toplevel
     import tfpipe  # pylint: disable=import-outside-toplevel
-    copy = keras.models.clone_model(ref)
-    copy.set_weights(ref.get_weights())
-    strategy = tfpipe.PipelineStrategy(devices=devices, num_microbatches=m, schedule=schedule,
-                                       recompute=recompute)
-    with strategy.scope():
-        model = tfpipe.PipelinedModel.from_model(copy)
+    with tfpipe.PipelineStrategy(devices=devices, num_microbatches=m, schedule=schedule,
+                                 recompute=recompute).scope():
+        model = tfpipe.PipelinedModel.from_model(_twin(ref))
         model.compile(optimizer="adam", loss="mse")
     return model
 
 
 def check_exactness(devices, size, steps):
-    """Rows of (K, schedule, max |dw| against plain Keras on devices[0])."""
-    import keras  # pylint: disable=import-outside-toplevel
+    """Rows: K, schedule, max |dw| against plain Keras on devices[0]."""
     import numpy as np  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     x, y = _data(size, steps)
@@ -124,8 +102,7 @@ def check_exactness(devices, size, steps):
         for schedule in ("gpipe", "1f1b"):
             ref = _reference(size)
             with tf.device(devices[0]):
-                plain = keras.models.clone_model(ref)
-                plain.set_weights(ref.get_weights())
+                plain = _twin(ref)
                 plain.compile(optimizer="adam", loss="mse")
                 plain.fit(x, y, batch_size=size["batch"], shuffle=False, verbose=0)
             model = _pipelined(ref, devices[:k], 4, schedule)
@@ -138,18 +115,16 @@ def check_exactness(devices, size, steps):
 
 
 def check_placement(devices, size):
-    """Per stage: its device and the variables or slots not on it (K = 4)."""
+    """Per stage (K = 4): its device, and the variables or Adam slots not on it."""
     from tfpipe import placement  # pylint: disable=import-outside-toplevel
     model = _pipelined(_reference(size), devices[:4], 4)
-    x, y = _data(size, 1)
-    model.fit(x, y, batch_size=size["batch"], verbose=0)
+    model.fit(*_data(size, 1), batch_size=size["batch"], verbose=0)
     rows = []
     for k, (stage, device) in enumerate(zip(model.stages, model.stage_devices)):
         own = list(stage.trainable_variables)
         names = [v.path.replace("/", "_") for v in own]
-        slots = [s for s in model.optimizer.variables  # Adam: momentum and velocity
-                 if any(s.path.endswith(f"{n}_momentum") or s.path.endswith(f"{n}_velocity")
-                        for n in names)]
+        slots = [s for s in model.optimizer.variables
+                 if any(s.path.endswith((f"{n}_momentum", f"{n}_velocity")) for n in names)]
         bad = placement.misplaced_variables(own + slots, device)
         rows.append(dict(stage=k, device=device, variables=len(own), slots=len(slots),
                          misplaced=bad, placed=not bad and len(slots) == 2 * len(own)))
@@ -158,7 +133,6 @@ def check_placement(devices, size):
 
 def _step_ms(model, x, y, repeats):
     """Median ms of one `train_on_batch` after two warm-up steps."""
-    import numpy as np  # pylint: disable=import-outside-toplevel
     for _ in range(2):
         model.train_on_batch(x, y)
     times = []
@@ -166,98 +140,106 @@ def _step_ms(model, x, y, repeats):
         start = time.perf_counter()
         model.train_on_batch(x, y)
         times.append((time.perf_counter() - start) * 1e3)
-    return float(np.median(times))
+    return common.median(times)
 
 
 def check_speedup(devices, size, repeats):
-    """K = 2, M in {1, 4, 8}: step ms, one-device ms, measured and ideal speed-ups."""
-    from benchmarks import schedules as sched  # pylint: disable=import-outside-toplevel
+    """K = 2, M in {1, 4, 8}: step ms, one-device ms, speed-up, simulated ideal."""
+    import tfpipe  # pylint: disable=import-outside-toplevel
     x, y = _data(size, 1)
     ref = _reference(size)
     single = _step_ms(_pipelined(ref, devices[:1], 1), x, y, repeats)
     rows = []
     for m in (1, 4, 8):
         step = _step_ms(_pipelined(ref, devices[:2], m), x, y, repeats)
+        ideal = 6.0 * m / tfpipe.schedules.simulate("gpipe", m, 2, 1.0, 2.0).makespan
         rows.append(dict(stages=2, microbatches=m, step_ms=step, one_device_ms=single,
-                         speedup=single / step, ideal=sched.ideal_speedup(2, m),
-                         simulated=sched.simulated_speedup("gpipe", 2, m)))
+                         speedup=single / step, ideal=ideal))
     return rows
 
 
 def check_memory(devices, kind, size):
-    """Peak bytes per device of K = 2, M = 8 training steps, per recompute mode."""
+    """Peak MiB per device of a K = 2, M = 8 step, per recompute mode (None on CPUs)."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     x, y = _data(size, 1)
+    names = [d.split("device:")[-1] for d in devices[:2]]
     rows = []
-    for mode in ("never", "except_last", "always"):
+    for mode in RECOMPUTE:
         model = _pipelined(_reference(size), devices[:2], 8, recompute=mode)
         model.train_on_batch(x, y)  # build and trace first: count only the step
-        peaks = []
-        for d in devices[:2]:
-            short = d.split("device:")[-1]
-            if kind == "GPU":
-                tf.config.experimental.reset_memory_stats(short)
+        if kind == "GPU":
+            for name in names:
+                tf.config.experimental.reset_memory_stats(name)
         model.train_on_batch(x, y)
-        for d in devices[:2]:
-            short = d.split("device:")[-1]
-            peaks.append(tf.config.experimental.get_memory_info(short)["peak"]
-                         if kind == "GPU" else None)
-        rows.append(dict(recompute=mode, stages=2, microbatches=8, peak_bytes=peaks))
+        peaks = [tf.config.experimental.get_memory_info(name)["peak"] / 2**20
+                 if kind == "GPU" else None for name in names]
+        rows.append(dict(recompute=mode, stages=2, microbatches=8, peak_mib=peaks))
     return rows
 
 
-def _table(results):
-    lines = [f"tfpipe GPU check on {results['device_kind']} ({results['machine']}), "
-             f"{results['seconds']:.0f} s"]
-    lines.append("exactness (max |dw| vs plain Keras, M=4):")
-    for r in results["exactness"]:
-        lines.append(f"  K={r['stages']} {r['schedule']:<5} {r['max_abs_diff']:.2e} "
-                     f"{'ok' if r['exact'] else 'NOT EXACT'}")
-    lines.append("placement (K=4):")
-    for r in results["placement"]:
-        lines.append(f"  stage {r['stage']} {r['device']}: {r['variables']} variables, "
-                     f"{r['slots']} slots, {'ok' if r['placed'] else r['misplaced']}")
-    lines.append("speed-up at K=2 (one chip split in logical GPUs):")
-    lines.append(f"  {'M':>3} {'step ms':>9} {'1-dev ms':>9} {'speed-up':>9} {'ideal':>6} "
-                 f"{'sim':>6}")
-    for r in results["speedup"]:
-        lines.append(f"  {r['microbatches']:>3} {r['step_ms']:>9.2f} {r['one_device_ms']:>9.2f} "
-                     f"{r['speedup']:>9.2f} {r['ideal']:>6.2f} {r['simulated']:>6.2f}")
-    lines.append("peak memory per device, K=2, M=8 (MiB):")
-    for r in results["memory"]:
-        peaks = ", ".join("n/a" if p is None else f"{p / 2**20:.1f}" for p in r["peak_bytes"])
-        lines.append(f"  {r['recompute']:<12} {peaks}")
-    return "\n".join(lines)
+def tables(results):
+    """The checks' markdown tables, headed by the machine."""
+    memory = [dict(r, **{f"peak_{i}": p for i, p in enumerate(r["peak_mib"])})
+              for r in results["memory"]]
+    return "\n\n".join([
+        f"tfpipe GPU check on {results['device_kind']} ({results['machine']}), "
+        f"{results['seconds']:.0f} s",
+        "exactness (max abs dw vs plain Keras, M=4):\n" + common.markdown_table(
+            [("K", "stages", 0), ("schedule", "schedule", 0), ("max abs dw", "max_abs_diff", ".2e"),
+             ("exact", "exact", 0)], results["exactness"]),
+        "placement (K=4):\n" + common.markdown_table(
+            [("stage", "stage", 0), ("device", "device", 0), ("variables", "variables", 0),
+             ("slots", "slots", 0), ("placed", "placed", 0), ("misplaced", "misplaced", 0)],
+            results["placement"]),
+        "speed-up at K=2 (one chip split in logical GPUs):\n" + common.markdown_table(
+            [("M", "microbatches", 0), ("step ms", "step_ms", 2),
+             ("1-device ms", "one_device_ms", 2), ("speed-up", "speedup", 2),
+             ("ideal (simulated)", "ideal", 2)], results["speedup"]),
+        "peak memory per device, K=2, M=8 (MiB):\n" + common.markdown_table(
+            [("recompute", "recompute", 0), ("device 0", "peak_0", 1),
+             ("device 1", "peak_1", 1)], memory)])
 
 
-def main(argv=None):
-    args = _flags(sys.argv[1:] if argv is None else argv)
+def main(argv):
+    from absl import app  # pylint: disable=import-outside-toplevel
+    from absl import flags  # pylint: disable=import-outside-toplevel
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    f = flags.FLAGS
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     start = time.perf_counter()
-    absent = None if args.cpu_dry_run else _no_gpu_before_tensorflow()
-    kind, devices = (None, absent) if absent else _devices(args.cpu_dry_run,
-                                                          args.memory_limit_mib)
+    absent = None if f.cpu_dry_run else _no_gpu()
+    kind, devices = (None, absent) if absent else _devices(f.cpu_dry_run, f.memory_limit_mib)
     if kind is None:
         print(f"gpu_check: not run: {devices}.")
-        with open(args.output, "w", encoding="utf-8") as f:
-            json.dump({"ran": False, "reason": devices}, f, indent=1)
+        common.write_json(f.output, {"ran": False, "reason": devices})
         return 0
-    import platform  # pylint: disable=import-outside-toplevel
-    size = _model_size(args.cpu_dry_run)
+    size = dict(layers=8, width=32, batch=32) if f.cpu_dry_run else \
+        dict(layers=8, width=2048, batch=512)  # big enough to keep a chip busy
     results = dict(ran=True, device_kind=kind, devices=devices, model=size,
-                   machine=platform.node())
-    results["exactness"] = check_exactness(devices, size, args.steps)
-    results["placement"] = check_placement(devices, size)
-    results["speedup"] = check_speedup(devices, size, args.repeats)
-    results["memory"] = check_memory(devices, kind, size)
+                   machine=platform.node(), exactness=check_exactness(devices, size, f.steps),
+                   placement=check_placement(devices, size),
+                   speedup=check_speedup(devices, size, f.repeats),
+                   memory=check_memory(devices, kind, size))
     results["seconds"] = time.perf_counter() - start
-    with open(args.output, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=1)
-    print(_table(results))
-    ok = all(r["exact"] for r in results["exactness"]) and \
-        all(r["placed"] for r in results["placement"])
+    common.write_json(f.output, results)
+    print(tables(results))
+    ok = all(r["exact"] for r in results["exactness"]) and all(
+        r["placed"] for r in results["placement"])
     return 0 if ok else 1
 
 
+def _define_flags():
+    from absl import flags  # pylint: disable=import-outside-toplevel
+    flags.DEFINE_string("output", str(common.RESULTS_DIR / "gpu_check.json"), "JSON output.")
+    flags.DEFINE_bool("cpu_dry_run", False, "Run every check on 4 logical CPUs, small model.")
+    flags.DEFINE_integer("memory_limit_mib", 8192, "Memory of each of the 4 logical GPUs.",
+                         lower_bound=1)
+    flags.DEFINE_integer("steps", 3, "Adam steps per exactness run.", lower_bound=1)
+    flags.DEFINE_integer("repeats", 10, "Timed steps per speed-up row.", lower_bound=1)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from absl import app as _app
+    _define_flags()
+    _app.run(main)

@@ -1,7 +1,10 @@
 """Small models and data shared by the tests; plain Keras references; child processes."""
 
+import fcntl
+import itertools
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,6 +73,34 @@ def pipelined_copy(model, num_microbatches, recompute="except_last", balance=Non
     return pipelined
 
 
+# (schedule, balance of the 4-layer MLP, devices): GPipe, 1F1B and ZB-H1 put one
+# stage on each of 4 devices; Interleaved(2) and ZB-V 2 stages on each of 2.
+SCHEDULES = {
+    "gpipe": (tfpipe.schedules.GPipe(), [1, 1, 1, 1], None),
+    "1f1b": (tfpipe.schedules.OneFOneB(), [1, 1, 1, 1], None),
+    "interleaved": (tfpipe.schedules.Interleaved(2), [1, 1, 1, 1], ["/CPU:0", "/CPU:1"]),
+    # Zero-bubble: backward split into I and W; ZB-V runs 2 stages per device
+    # in a V, so the last stage shares device 0 with the first.
+    "zbh1": (tfpipe.schedules.ZeroBubbleH1(), [1, 1, 1, 1], None),
+    "zbv": (tfpipe.schedules.ZeroBubbleV(), [1, 1, 1, 1], ["/CPU:0", "/CPU:1"]),
+    # Recompute granularity: each of 1F1B's 2 stages re-materialised in 2 segments.
+    "1f1b_segmented": (tfpipe.schedules.Segmented(tfpipe.schedules.OneFOneB(), 2),
+                       [1, 1, 1, 1], ["/CPU:0", "/CPU:1"]),
+}
+
+
+def scheduled_copy(ref, name, m, execution, recompute, compile_kwargs, balance=None):
+    """A PipelinedModel of `SCHEDULES[name]` cut from a twin of `ref`, compiled."""
+    schedule, default_balance, devices = SCHEDULES[name]
+    strategy = tfpipe.PipelineStrategy(devices=devices, num_microbatches=m,
+                                       schedule=schedule, recompute=recompute,
+                                       execution=execution)
+    with strategy.scope():
+        model = tfpipe.PipelinedModel.from_model(twin(ref), balance=balance or default_balance)
+        model.compile(**compile_kwargs)
+    return model
+
+
 def stage_weights(pipelined):
     """The pipeline's weights in the order of its source model (from_model),
     else stage by stage."""
@@ -94,6 +125,48 @@ def assert_same_predictions(ours, theirs):
     earlier runs they were equal.
     """
     np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+# -- plain references, trained once per test process ---------------------------------
+
+_REFERENCES = {}
+
+
+def plain_reference(key, train):
+    """`train()`'s result, computed the first time `key` is asked for in this
+    process and returned from then on.
+
+    For a plain-Keras reference that does not depend on the row asking for it
+    (the setup, the cut, M): key it by what it does depend on (the model, its
+    data and steps) and return plain values (weights, history, evaluate
+    results), which no row can change. Each pytest-xdist worker is its own
+    process with its own cache, so a reference is trained at most once per
+    worker.
+    """
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train()
+    return _REFERENCES[key]
+
+
+def shared_directory(tmp_path_factory, name, make):
+    """A directory that `make(directory)` fills once per pytest run, whichever
+    process asks first: a module fixture's expensive result (a training run)
+    that pytest-xdist's workers would otherwise each make (a module's tests
+    are dealt to both). The others wait on a lock, then get the same
+    directory; they must only read it (copy it to change it)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this run
+    directory = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / f"{name}.done"
+        if not done.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+            make(directory)
+            done.touch()
+    return directory
 
 
 # -- which rows of a table the default suite runs -----------------------------------
@@ -141,6 +214,27 @@ def in_default_suite(values, default):
         raise ValueError(f"default rows {missing} are not in the table {values}")
     return [pytest.param(*_values(v), marks=() if v in default else pytest.mark.slow)
             for v in values]
+
+
+def _pairs(row):
+    return {(i, row[i], j, row[j]) for i, j in itertools.combinations(range(len(row)), 2)}
+
+
+def missing_pairs(rows, runnable_rows):
+    """Pairs of values of two columns that some row of `runnable_rows` holds
+    and no row of `rows` does: [] when `rows` is a pairwise table (every
+    value of each column met with every value of every other column, where
+    some runnable row has them together)."""
+    have = set().union(*map(_pairs, rows))
+    need = set().union(*map(_pairs, runnable_rows))
+    return sorted(need - have, key=str)
+
+
+def missing_values(rows, columns):
+    """The (column, value) of `columns` (a list of each column's values) that
+    no row of `rows` holds: [] when every value runs at least once."""
+    return [(i, v) for i, values in enumerate(columns) for v in values
+            if all(row[i] != v for row in rows)]
 
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

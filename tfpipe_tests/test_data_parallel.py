@@ -8,6 +8,7 @@ equals plain Keras on the global batch (history, weights, evaluate, predict).
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -111,29 +112,6 @@ def test_stage_variables_and_slots_are_mirrored_over_their_column():
         assert all(len(slots[id(v)]) == 2 for v in stage.trainable_variables)
 
 
-@pytest.mark.parametrize("schedule, execution", [
-    ("gpipe", "unrolled"),
-    pytest.param("1f1b", "loop", marks=pytest.mark.slow),
-    pytest.param("zbh1", "unrolled", marks=pytest.mark.slow),
-    pytest.param("interleaved", "unrolled", marks=pytest.mark.slow),
-    pytest.param("1f1b", "stage_functions", marks=pytest.mark.slow),
-])
-def test_two_replicas_of_two_stages_train_like_plain_keras(schedule, execution):
-    strategy = tfpipe.PipelineStrategy(
-        num_replicas=2, num_microbatches=2, schedule=schedule, execution=execution,
-        recompute="always" if execution == "loop" else None)
-    plain, plain_history, pipelined, history = _train_both(strategy)
-    assert sorted(history) == sorted(plain_history) == ["accuracy", "loss"]
-    for key in plain_history:
-        np.testing.assert_allclose(history[key], plain_history[key], rtol=1e-5, atol=1e-6)
-    assert helpers.max_abs_diff(plain.get_weights(), helpers.stage_weights(pipelined)) < 1e-5
-    x, y, _ = _data()
-    np.testing.assert_allclose(pipelined.evaluate(x, y, batch_size=16, verbose=0),
-                               plain.evaluate(x, y, batch_size=16, verbose=0), rtol=1e-5)
-    np.testing.assert_allclose(pipelined.predict(x, batch_size=16, verbose=0),
-                               plain.predict(x, batch_size=16, verbose=0), atol=1e-5)
-
-
 def _masked_tagger(activity=None):
     """Embedding(mask_zero=True) + a softmax per token: the loss averages over
     the valid tokens, a count summed over the replicas."""
@@ -145,27 +123,67 @@ def _masked_tagger(activity=None):
     return keras.Model(inputs, outputs)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("schedule, execution", [
-    ("gpipe", "unrolled"), ("1f1b", "unrolled"), ("gpipe", "loop"),
-    ("gpipe", "stage_functions"),
-])
-def test_masked_loss_is_averaged_over_every_replicas_tokens(schedule, execution):
+def _tokens(n=84):
     rng = np.random.default_rng(0)
-    x = rng.integers(0, 10, (84, 6)).astype("int32")
-    y = rng.integers(0, 4, (84, 6))
-    plain = _masked_tagger()
+    return rng.integers(0, 10, (n, 6)).astype("int32"), rng.integers(0, 4, (n, 6)), None
+
+
+MODELS = {"classifier": (_classifier, _data), "masked_tagger": (_masked_tagger, _tokens)}
+
+
+def _plain(name):
+    """Plain Keras on the global batch (2 epochs): initial and trained weights,
+    history, evaluate, predict; trained once per test process."""
+    def train():
+        make, data = MODELS[name]
+        plain = make()
+        initial = plain.get_weights()
+        _compile(plain)
+        x, y, sw = data()
+        history = plain.fit(x, y, sample_weight=sw, batch_size=16, epochs=2, shuffle=False,
+                            verbose=0).history
+        return dict(initial=initial, weights=plain.get_weights(), history=history,
+                    evaluate=plain.evaluate(x, y, batch_size=16, verbose=0),
+                    predict=plain.predict(x, batch_size=16, verbose=0))
+    return helpers.plain_reference(("data_parallel", name), train)
+
+
+# Two replicas of a 2-device pipeline against plain Keras on the global batch:
+# gradients and metrics summed over the replicas in each execution, and (the
+# masked tagger) the loss divided by every replica's count of valid tokens,
+# which each schedule seeds before its first backward. Pairwise: each model in
+# each execution, each schedule once at least; the default suite runs the first.
+@pytest.mark.parametrize("model, schedule, execution", [
+    ("classifier", "gpipe", "unrolled"),
+    pytest.param("classifier", "1f1b", "loop", marks=pytest.mark.slow),
+    pytest.param("classifier", "interleaved", "stage_functions", marks=pytest.mark.slow),
+    pytest.param("masked_tagger", "1f1b", "unrolled", marks=pytest.mark.slow),
+    pytest.param("masked_tagger", "gpipe", "loop", marks=pytest.mark.slow),
+    pytest.param("masked_tagger", "zbh1", "stage_functions", marks=pytest.mark.slow),
+])
+def test_two_replicas_of_two_stages_train_like_plain_keras(model, schedule, execution):
+    plain = _plain(model)
+    make, data = MODELS[model]
+    source = make()
+    source.set_weights(plain["initial"])
     strategy = tfpipe.PipelineStrategy(
         num_replicas=2, num_microbatches=2, schedule=schedule, execution=execution,
         recompute="always" if execution == "loop" else None)
     with strategy.scope():
-        pipelined = tfpipe.PipelinedModel.from_model(helpers.twin(plain))
+        pipelined = tfpipe.PipelinedModel.from_model(source)
         _compile(pipelined)
-    _compile(plain)
-    kwargs = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
-    expected, got = plain.fit(x, y, **kwargs).history, pipelined.fit(x, y, **kwargs).history
-    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
-    assert helpers.max_abs_diff(plain.get_weights(), helpers.stage_weights(pipelined)) < 1e-5
+    x, y, sw = data()
+    # 84 rows in batches of 16: the last batch (4 rows) is ragged.
+    history = pipelined.fit(x, y, sample_weight=sw, batch_size=16, epochs=2, shuffle=False,
+                            verbose=0).history
+    assert sorted(history) == sorted(plain["history"]) == ["accuracy", "loss"]
+    for key, want in plain["history"].items():
+        np.testing.assert_allclose(history[key], want, rtol=1e-5, atol=1e-6, err_msg=key)
+    assert helpers.max_abs_diff(plain["weights"], helpers.stage_weights(pipelined)) < 1e-5
+    np.testing.assert_allclose(pipelined.evaluate(x, y, batch_size=16, verbose=0),
+                               plain["evaluate"], rtol=1e-5)
+    np.testing.assert_allclose(pipelined.predict(x, batch_size=16, verbose=0),
+                               plain["predict"], atol=1e-5)
 
 
 def test_masked_loss_with_call_losses_in_the_loop_names_the_fix():
@@ -337,67 +355,76 @@ _TRAIN = ["-m", "launch.train", "--stages=2", "--microbatches=2", "--batch_size=
           "--logical_cpus=2"]
 
 
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    """The `launch.train` runs the trainer rows compare with, on 4 logical CPUs:
+    "full", 2 epochs of one pipeline; "part", the first epoch of the same run
+    with --replicas=2 (2 x 2 in one process), checkpointed at its end. Made
+    once per pytest run (`helpers.shared_directory`); the rows copy what they
+    change."""
+    def make(root):
+        for name, more in (("full", ["--epochs=2"]), ("part", ["--epochs=1", "--replicas=2"])):
+            done = helpers.run_child([*_TRAIN, "--logical_cpus=4", *more,
+                                      f"--model_dir={root}/{name}"], CHILD_TIMEOUT)
+            assert done.returncode == 0, done.stderr[-3000:]
+    return helpers.shared_directory(tmp_path_factory, "data_parallel_trainer_runs", make)
+
+
+def _steps(model_dir):
+    return json.loads((model_dir / "history.json").read_text())["steps"]
+
+
+def _assert_same_steps(got, expected):
+    for a, b in zip(got, expected, strict=True):
+        assert a["rows"] == b["rows"] == 32
+        np.testing.assert_allclose([a["loss"], a["accuracy"]], [b["loss"], b["accuracy"]],
+                                   rtol=1e-5)
+
+
 @pytest.mark.slow
-def test_trainer_with_one_replica_per_worker_matches_one_process(tmp_path):
+def test_trainer_with_two_replicas_in_one_process_matches_one_pipeline(trainer_runs):
+    # --replicas=2 on 4 logical CPUs: every step of the first epoch equals the
+    # single pipeline's.
+    part = _steps(trainer_runs / "part")
+    assert len(part) == 6
+    _assert_same_steps(part, _steps(trainer_runs / "full")[:6])
+
+
+@pytest.mark.slow
+def test_trainer_with_one_replica_per_worker_matches_one_process(tmp_path, trainer_runs):
     """Each worker runs the same `launch.train --replicas=tf_config`; every
     step's loss and accuracy equal the single-process run's."""
     from tfpipe import cluster as cluster_lib
-    single = helpers.run_child([*_TRAIN, f"--model_dir={tmp_path}/single"], CHILD_TIMEOUT)
-    assert single.returncode == 0, single.stderr[-3000:]
     ports = cluster_lib._free_ports(2)  # pylint: disable=protected-access
     results = _run_workers(
         lambda i: [*_TRAIN, "--replicas=tf_config", f"--model_dir={tmp_path}/w{i}"], ports)
-    expected = json.loads((tmp_path / "single" / "history.json").read_text())
+    full = json.loads((trainer_runs / "full" / "history.json").read_text())
     for index, (code, out, err) in enumerate(results):
         assert code == 0, err[-3000:]
         assert (f"--replicas=tf_config: /job:worker/task:{index} is replica {index} of 2; "
                 f"its pipeline runs on ['/job:worker/replica:0/task:{index}/device:CPU:0', "
                 f"'/job:worker/replica:0/task:{index}/device:CPU:1']") in out
         got = json.loads((tmp_path / f"w{index}" / "history.json").read_text())
-        assert len(got["steps"]) == len(expected["steps"]) == 6
-        for a, b in zip(got["steps"], expected["steps"]):
-            assert a["rows"] == b["rows"] == 32
-            np.testing.assert_allclose([a["loss"], a["accuracy"]], [b["loss"], b["accuracy"]],
-                                       rtol=1e-5)
-        assert got["epochs"] == expected["epochs"] or np.allclose(
-            [e["loss"] for e in got["epochs"]], [e["loss"] for e in expected["epochs"]])
-
-
-@pytest.mark.slow
-def test_trainer_with_two_replicas_in_one_process_matches_one_pipeline(tmp_path):
-    runs = {}
-    for name, flags_ in (("one", ["--logical_cpus=2"]),
-                         ("grid", ["--replicas=2", "--logical_cpus=4"])):
-        done = helpers.run_child([*_TRAIN, *flags_, f"--model_dir={tmp_path}/{name}"],
-                                 CHILD_TIMEOUT)
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[name] = json.loads((tmp_path / name / "history.json").read_text())
-    for a, b in zip(runs["grid"]["steps"], runs["one"]["steps"]):
-        np.testing.assert_allclose([a["loss"], a["accuracy"]], [b["loss"], b["accuracy"]],
-                                   rtol=1e-5)
+        assert len(got["steps"]) == 6
+        _assert_same_steps(got["steps"], full["steps"][:6])
+        assert got["epochs"] == full["epochs"][:1] or np.allclose(
+            [e["loss"] for e in got["epochs"]], [e["loss"] for e in full["epochs"][:1]])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("resumed_with", ["--replicas=2", "--replicas=1"])
-def test_trainer_resumes_a_data_parallel_run_exactly(tmp_path, resumed_with):
+def test_trainer_resumes_a_data_parallel_run_exactly(tmp_path, trainer_runs, resumed_with):
     """A --replicas=2 run checkpointed after one epoch and resumed (with 2
     replicas again, or with one pipeline) equals the uninterrupted run: the
     mirrored variables and slots restore, and R does not change the math."""
-    flags_ = [*_TRAIN, "--logical_cpus=4"]
-    runs = [("full", ["--epochs=2"]),
-            ("part", ["--epochs=1", "--replicas=2"]),
-            ("part", ["--epochs=2", "--resume", resumed_with])]
-    for name, more in runs:
-        done = helpers.run_child([*flags_, *more, f"--model_dir={tmp_path}/{name}"],
-                                 CHILD_TIMEOUT)
-        assert done.returncode == 0, done.stderr[-3000:]
+    shutil.copytree(trainer_runs / "part", tmp_path / "part")
+    done = helpers.run_child([*_TRAIN, "--logical_cpus=4", "--epochs=2", "--resume",
+                              resumed_with, f"--model_dir={tmp_path}/part"], CHILD_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
     assert "Resuming from" in done.stdout
-    full = json.loads((tmp_path / "full" / "history.json").read_text())["steps"]
-    part = json.loads((tmp_path / "part" / "history.json").read_text())["steps"]
-    assert len(part) == len(full) == 12
-    for a, b in zip(part, full):
-        np.testing.assert_allclose([a["loss"], a["accuracy"]], [b["loss"], b["accuracy"]],
-                                   rtol=1e-5)
+    part = _steps(tmp_path / "part")
+    assert len(part) == 12
+    _assert_same_steps(part, _steps(trainer_runs / "full"))
 
 
 def test_a_data_parallel_model_saves_and_loads_at_another_layout(tmp_path):

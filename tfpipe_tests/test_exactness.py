@@ -1,5 +1,7 @@
 """A pipelined model trains to the same weights as plain Keras (float32, 1e-5)."""
 
+import itertools
+
 import keras
 import numpy as np
 import pytest
@@ -25,44 +27,137 @@ def _train_both(make_layers, input_shape, data, m, mode, balance, batch_size=16,
     return ref, pipelined, h_ref.history, h_pipe.history
 
 
-# Every M with every recompute mode: the default suite runs each M once, the modes
-# taking turns (helpers.taking_turns); CI's slow step runs all 12.
-@pytest.mark.parametrize("m, mode", helpers.taking_turns([1, 2, 4, 8], MODES))
-def test_mlp_matches_plain_keras(m, mode):
-    # 80 rows / batch 16 = 5 Adam steps.
-    ref, pipelined, h_ref, h_pipe = _train_both(
-        helpers.mlp_layers, (8,), helpers.regression_data(), m, mode, [1, 1, 1, 1],
-        compile_kwargs=dict(optimizer="adam", loss="mse", metrics=["mae"]))
-    assert len(pipelined.stages) == 4
-    assert helpers.max_abs_diff(ref.get_weights(), helpers.stage_weights(pipelined)) < TOL
-    np.testing.assert_allclose(h_pipe["loss"], h_ref["loss"], rtol=1e-5)
-    np.testing.assert_allclose(h_pipe["mae"], h_ref["mae"], rtol=1e-5)
+# -- one pairwise table: model x M x schedule x execution x recompute -----------------
+#
+# Each row trains a pipeline for one epoch of Adam from a plain model's initial
+# weights and asserts every weight within 1e-5 of plain Keras', the history
+# (rtol 1e-5; accuracy 1e-6), `evaluate` (rtol 1e-5) and `predict` (atol 1e-5).
+# The models: "mlp" (the 4-layer MLP, MSE, 5 full batches), "mlp_weighted" (the
+# same with sample weights and weighted metrics, 70 rows: a ragged last batch of
+# 6, so at M=8 two micro-batches are empty; cut in 3 uneven stages [2, 1, 1] where
+# the schedule has one stage per device) and "cnn" (convolutions with an L2
+# kernel regulariser, a call loss, and from-logits crossentropy with accuracy).
+# The rows are a pairwise table (`_check_table`): every value of each column
+# meets every value of every other column in some row (the loop runs only
+# recompute="always", Interleaved needs M even); the default suite runs each
+# value of each column at least once. The plain reference does not depend on the
+# row: it is trained once per model and test process (`helpers.plain_reference`).
+
+MODELS = ["mlp", "mlp_weighted", "cnn"]
+MICROBATCHES = [1, 2, 4, 8]
+EXECUTIONS = ["unrolled", "stage_functions", "loop"]
+# (model, M, schedule, execution, recompute), in the default suite or not.
+DEFAULT = [
+    ("mlp", 1, "gpipe", "unrolled", "always"),
+    ("mlp", 2, "1f1b", "stage_functions", "except_last"),
+    ("mlp_weighted", 2, "interleaved", "loop", "always"),
+    ("mlp_weighted", 4, "zbv", "unrolled", "except_last"),
+    ("cnn", 2, "1f1b_segmented", "unrolled", "never"),
+    ("mlp", 8, "zbh1", "loop", "always"),
+]
+SLOW = [
+    ("mlp", 1, "1f1b", "unrolled", "always"),
+    ("mlp", 1, "zbv", "unrolled", "never"),
+    ("mlp", 1, "1f1b_segmented", "loop", "always"),
+    ("mlp", 2, "zbv", "loop", "always"),
+    ("mlp", 4, "gpipe", "loop", "always"),
+    ("mlp", 4, "interleaved", "stage_functions", "never"),
+    ("mlp", 4, "zbh1", "unrolled", "always"),
+    ("mlp", 4, "1f1b_segmented", "unrolled", "always"),
+    ("mlp", 8, "gpipe", "stage_functions", "always"),
+    ("mlp_weighted", 1, "zbh1", "stage_functions", "never"),
+    ("mlp_weighted", 2, "gpipe", "unrolled", "never"),
+    ("mlp_weighted", 8, "1f1b", "unrolled", "never"),
+    ("mlp_weighted", 8, "1f1b_segmented", "stage_functions", "except_last"),
+    ("cnn", 1, "gpipe", "stage_functions", "except_last"),
+    ("cnn", 2, "zbh1", "unrolled", "except_last"),
+    ("cnn", 4, "1f1b", "loop", "always"),
+    ("cnn", 8, "zbv", "stage_functions", "always"),
+    ("cnn", 8, "interleaved", "unrolled", "except_last"),
+]
 
 
-@pytest.mark.parametrize("m, mode", helpers.taking_turns([1, 2, 4, 8], MODES))
-def test_cnn_matches_plain_keras(m, mode):
-    ref, pipelined, h_ref, h_pipe = _train_both(
-        helpers.cnn_layers, (8, 8, 1), helpers.image_data(), m, mode, [1, 1, 1, 2],
-        compile_kwargs=dict(optimizer="adam",
-                            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                            metrics=["accuracy"]))
-    assert helpers.max_abs_diff(ref.get_weights(), helpers.stage_weights(pipelined)) < TOL
-    np.testing.assert_allclose(h_pipe["loss"], h_ref["loss"], rtol=1e-5)
-    np.testing.assert_allclose(h_pipe["accuracy"], h_ref["accuracy"], rtol=1e-6)
+def _runnable(model, m, schedule, execution, recompute):
+    del model
+    return ((execution != "loop" or recompute == "always")
+            and (schedule != "interleaved" or m % 2 == 0))
 
 
-@pytest.mark.parametrize("mode", helpers.in_default_suite(MODES, default=["except_last"]))
-def test_sample_weights_and_ragged_last_batch(mode):
-    # 70 rows, batch 16: the last batch has 6 rows, padded to 8 for M=4.
-    x, y = helpers.regression_data(n=70)
-    sw = np.linspace(0.1, 2.0, 70).astype("float32")
-    ref, pipelined, h_ref, h_pipe = _train_both(
-        helpers.mlp_layers, (8,), (x, y), 4, mode, [2, 1, 1],
-        compile_kwargs=dict(optimizer="adam", loss="mse", weighted_metrics=["mae"]),
-        fit_kwargs=dict(sample_weight=sw))
-    assert helpers.max_abs_diff(ref.get_weights(), helpers.stage_weights(pipelined)) < TOL
-    np.testing.assert_allclose(h_pipe["loss"], h_ref["loss"], rtol=1e-5)
-    np.testing.assert_allclose(h_pipe["mae"], h_ref["mae"], rtol=1e-5)
+def _check_table():
+    columns = [MODELS, MICROBATCHES, list(helpers.SCHEDULES), EXECUTIONS, MODES]
+    runnable = [r for r in itertools.product(*columns) if _runnable(*r)]
+    assert all(_runnable(*r) for r in DEFAULT + SLOW)
+    assert len(set(DEFAULT + SLOW)) == len(DEFAULT + SLOW)
+    assert not helpers.missing_values(DEFAULT, columns), helpers.missing_values(DEFAULT, columns)
+    missing = helpers.missing_pairs(DEFAULT + SLOW, runnable)
+    assert not missing, missing
+
+
+_check_table()
+
+
+def _setup(name):
+    """(layers, input shape, (x, y, sample weight), compile kwargs) of a model."""
+    if name == "cnn":
+        layers = [keras.layers.Conv2D(4, 3, activation="relu", kernel_regularizer="l2"),
+                  keras.layers.MaxPooling2D(),
+                  keras.layers.Conv2D(6, 2, activation="relu"),
+                  keras.layers.Flatten(),
+                  keras.layers.Dense(5)]
+        return layers, (8, 8, 1), (*helpers.image_data(n=64), None), dict(
+            optimizer="adam", metrics=["accuracy"],
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if name == "mlp_weighted":
+        x, y = helpers.regression_data(n=70)  # 4 full batches of 16 and a ragged 6
+        sw = np.linspace(0.1, 2.0, 70).astype("float32")
+        return helpers.mlp_layers(), (8,), (x, y, sw), dict(
+            optimizer="adam", loss="mse", weighted_metrics=["mae"])
+    return helpers.mlp_layers(), (8,), (*helpers.regression_data(), None), dict(
+        optimizer="adam", loss="mse", metrics=["mae"])
+
+
+def _plain(name):
+    """Plain Keras' initial and trained weights, history, evaluate and predict."""
+    def train():
+        layers, input_shape, (x, y, sw), compile_kwargs = _setup(name)
+        ref = helpers.reference(layers, input_shape)
+        initial = ref.get_weights()
+        ref.compile(**compile_kwargs)
+        history = ref.fit(x, y, sample_weight=sw, batch_size=16, epochs=1, shuffle=False,
+                          verbose=0).history
+        return dict(initial=initial, weights=ref.get_weights(), history=history,
+                    evaluate=ref.evaluate(x, y, batch_size=16, verbose=0),
+                    predict=ref.predict(x, batch_size=16, verbose=0))
+    return helpers.plain_reference(("exactness", name), train)
+
+
+@pytest.mark.parametrize("model, m, schedule, execution, recompute", [
+    pytest.param(*row, id="-".join(map(str, row)), marks=() if row in DEFAULT else
+                 pytest.mark.slow) for row in DEFAULT + SLOW])
+def test_pipeline_trains_like_plain_keras(model, m, schedule, execution, recompute):
+    plain = _plain(model)
+    layers, input_shape, (x, y, sw), compile_kwargs = _setup(model)
+    ref = helpers.reference(layers, input_shape)
+    ref.set_weights(plain["initial"])
+    balance = None
+    if model == "cnn":
+        balance = [1, 1, 1, 2]
+    elif model == "mlp_weighted" and helpers.SCHEDULES[schedule][2] is None:
+        balance = [2, 1, 1]  # one stage per device: 3 uneven stages
+    pipelined = helpers.scheduled_copy(ref, schedule, m, execution, recompute, compile_kwargs,
+                                       balance=balance)
+    history = pipelined.fit(x, y, sample_weight=sw, batch_size=16, epochs=1, shuffle=False,
+                            verbose=0).history
+    assert len(pipelined.stages) == len(balance or [1, 1, 1, 1])
+    assert helpers.max_abs_diff(plain["weights"], helpers.stage_weights(pipelined)) < TOL
+    assert sorted(history) == sorted(plain["history"])
+    for key, want in plain["history"].items():
+        np.testing.assert_allclose(history[key], want, rtol=1e-6 if key == "accuracy" else 1e-5,
+                                   err_msg=key)
+    np.testing.assert_allclose(pipelined.evaluate(x, y, batch_size=16, verbose=0),
+                               plain["evaluate"], rtol=1e-5)
+    np.testing.assert_allclose(pipelined.predict(x, batch_size=16, verbose=0),
+                               plain["predict"], atol=1e-5)
 
 
 def test_regularisers_counted_once_and_sum_reduction():

@@ -89,7 +89,7 @@ TRAIN = ["tensorboard", "tensorflow-datasets", "importlib-resources", "scikit-le
     (None, ["tensorflow-cpu==2.21.*", "keras<4,>=3.15", "absl-py"]),
     ("plot", ["matplotlib"]),  # tfpipe.profile's Gantt charts
     ("train", TRAIN),  # launch/ and benchmarks/, from the repository
-    ("test", [*TRAIN, "pytest", "regex", "rich", "kagglehub", "tokenizers",
+    ("test", [*TRAIN, "pytest", "pytest-xdist", "regex", "rich", "kagglehub", "tokenizers",
               "sentencepiece"]),
 ], ids=["library", "plot", "train", "test"])
 def test_what_each_extra_installs(wheel, extra, requirements):

@@ -226,30 +226,44 @@ def test_launch_plan_bad_flag_is_one_line(flag, message):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def _assert_plan_table(text):
+    lines = text.splitlines()
+    assert lines[0].startswith("Plan for ")
+    assert [l.split()[0] for l in lines[2:5]] == ["0", "1", "total"]
+    assert any(l.startswith("recommended: M=") for l in lines)
+
+
+# Each zoo model's plan table, once: the MLP through the command line (a child
+# process: flags, TensorFlow's start, the printed table), the others (their
+# builders and data shapes) through `plan_run` here, which the command prints.
 @pytest.mark.slow
-def test_launch_plan_prints_the_table_for_each_zoo_model():
-    for model in ("mlp", "resnet", "transformer", "unet"):
+@pytest.mark.parametrize("model, via", [("mlp", "command"), ("resnet", "plan_run"),
+                                        ("transformer", "plan_run"), ("unet", "plan_run")])
+def test_launch_plan_prints_the_table_for_each_zoo_model(model, via):
+    if via == "command":
         proc = subprocess.run([sys.executable, "-m", "launch.plan", f"--model={model}",
                                "--stages=2", "--microbatches=2", "--batch_size=8",
                                "--repeats=1"], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        lines = proc.stdout.splitlines()
-        assert lines[0].startswith("Plan for ")
-        assert [l.split()[0] for l in lines[2:5]] == ["0", "1", "total"]
-        assert any(l.startswith("recommended: M=") for l in lines)
+        _assert_plan_table(proc.stdout)
+    else:
+        from launch import plan as plan_cli
+        from launch.config import TrainConfig
+        _assert_plan_table(str(plan_cli.plan_run(TrainConfig(model=model, stages=2,
+                                                             microbatches=2, batch_size=8),
+                                                 repeats=1)))
 
 
 @pytest.mark.slow
 def test_memory_prediction_within_25_percent_of_measured_peaks():
-    """Each configuration's peak resident set, measured in a fresh child
-    (`benchmarks.plan_memory`: build + step, the traced program left out),
-    against `plan.host_peak_bytes` + the batch."""
-    from benchmarks import plan_memory
-    model = plan_memory.MODEL
-    rows = plan_memory.compare(model["layers"], model["width"], model["batch"], parallel=2,
-                               log=lambda line: None)
-    print(plan_memory.table(rows))
+    """`plan.host_peak_bytes` + the batch against what building the model and a
+    later step add to a started runtime, in fresh children
+    (`benchmarks.memory`): 8 x Dense(512), batch 4096, M=4, K in {1, 2}."""
+    from benchmarks import memory  # pylint: disable=import-outside-toplevel
+    rows, _ = memory.run(modes=("never", "always"), devices=(1, 2), layers=8, width=512,
+                         batch=4096, num_microbatches=4, budget_mib=0, parallel=2,
+                         log=lambda line: None)
     for row in rows:
-        assert row["error"] is None, row["error"]
-        assert row["params"] == row["child_params"]
-        assert 0.75 <= row["ratio"] <= 1.25, plan_memory._line(row)  # pylint: disable=protected-access
+        assert row.get("error") is None, row["error"]
+        for k in (1, 2):
+            assert 0.75 <= row[f"plan_ratio_k{k}"] <= 1.25, (row["mode"], k, row)

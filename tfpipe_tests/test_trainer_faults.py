@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import pathlib
+import pickle
 import shutil
 import signal
 import socket
@@ -122,23 +123,33 @@ def _warnings(captured):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted run: its directory, weights and Keras' epoch logs."""
-    model_dir = tmp_path_factory.mktemp("reference")
-    logs = _EpochLogs()
-    result = train_lib.train(_config(model_dir), callbacks=[logs])
-    assert result["steps"] == 10 and _committed(model_dir) == [6, 9, 10]
-    return {"dir": model_dir, "weights": _weights(result["model"]), "logs": logs.logs,
-            "history": result["history"], "manifest": _manifest(model_dir, 10)}
+    """The uninterrupted run: its directory, weights and Keras' epoch logs.
+    Trained once per pytest run (`helpers.shared_directory`): the other
+    pytest-xdist worker reads it back; the tests copy the directory to change it."""
+    def make(directory):
+        model_dir = directory / "run"
+        logs = _EpochLogs()
+        result = train_lib.train(_config(model_dir), callbacks=[logs])
+        assert result["steps"] == 10 and _committed(model_dir) == [6, 9, 10]
+        with open(directory / "reference.pickle", "wb") as f:
+            pickle.dump({"weights": _weights(result["model"]), "logs": logs.logs,
+                         "history": result["history"]}, f)
+    directory = helpers.shared_directory(tmp_path_factory, "trainer_faults_reference", make)
+    with open(directory / "reference.pickle", "rb") as f:
+        saved = pickle.load(f)
+    model_dir = directory / "run"
+    return {"dir": model_dir, **saved, "manifest": _manifest(model_dir, 10)}
 
 
 @pytest.fixture(scope="module")
 def cut_run(tmp_path_factory):
-    """A run that died after step 8: ckpt-3 and ckpt-6 committed."""
-    model_dir = tmp_path_factory.mktemp("cut")
-    with pytest.raises(_Preempted):
-        train_lib.train(_config(model_dir), callbacks=[_Crash(after_steps=8)])
-    assert _committed(model_dir) == [3, 6]
-    return model_dir
+    """A run that died after step 8: ckpt-3 and ckpt-6 committed (made once
+    per pytest run; the tests copy it)."""
+    def make(model_dir):
+        with pytest.raises(_Preempted):
+            train_lib.train(_config(model_dir), callbacks=[_Crash(after_steps=8)])
+        assert _committed(model_dir) == [3, 6]
+    return helpers.shared_directory(tmp_path_factory, "trainer_faults_cut_run", make)
 
 
 def _assert_same_as_reference(model_dir, result, logs, reference, first_epoch):
@@ -760,28 +771,25 @@ def _kill_and_resume(tmp_path, capsys, reference, where, committed, expected):
     assert _committed(model_dir) == [6, 9, 10]
 
 
-def test_kill_9_before_the_commit_then_resume_equals_the_uninterrupted_run(
-        tmp_path, capsys, reference):
-    _kill_and_resume(tmp_path, capsys, reference, *KILL_POINTS[2])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("where, committed, expected",
-                         [pytest.param(*row, id=row[0]) for row in KILL_POINTS])
+# Each point of the save once; the default suite runs the kill between the
+# renames and the commit (data and index in place, no manifest yet).
+@pytest.mark.parametrize("where, committed, expected", [
+    pytest.param(*row, id=row[0], marks=() if row[0] == "replace:ckpt-6.manifest.json:1"
+                 else pytest.mark.slow) for row in KILL_POINTS])
 def test_kill_9_inside_a_checkpoint_save(tmp_path, capsys, reference, where, committed,
                                          expected):
     _kill_and_resume(tmp_path, capsys, reference, where, committed, expected)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_kill_9_at_random_times_then_resume_equals_the_uninterrupted_run(
-        tmp_path, reference, seed):
+def test_kill_9_at_random_times_then_resume_equals_the_uninterrupted_run(tmp_path, reference):
     # A checkpoint after every step, so a random moment of training is often
     # inside a save. Each of three attempts is killed at a random moment within
     # 0.4 s after it committed its first new checkpoint (TensorFlow's start-up,
-    # ~6 s, is not worth killing); a fourth resumes to the end.
-    rng = np.random.default_rng(seed)
+    # ~6 s, is not worth killing); a fourth resumes to the end. One seed: each
+    # point inside a save is killed on purpose above (KILL_POINTS); this row
+    # checks that three moments nobody chose resume exactly too.
+    rng = np.random.default_rng(0)
     model_dir = tmp_path / "run"
     args = ["-m", "launch.train", f"--model_dir={model_dir}", "--checkpoint_every=1",
             *FLAGS[:5], *FLAGS[6:]]
@@ -822,19 +830,3 @@ def test_kill_9_at_random_times_then_resume_equals_the_uninterrupted_run(
     for name in theirs:
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
     assert _manifest(model_dir, 10)["history"] == reference["manifest"]["history"]
-
-
-# -- the soak benchmark's machinery, on a few steps ---------------------------------------
-
-
-def test_soak_benchmark_samples_memory_and_traces(tmp_path):
-    from benchmarks import soak  # pylint: disable=import-outside-toplevel
-
-    out = soak.soak(steps=24, steps_per_epoch=8, sample_every=4, model_dir=str(tmp_path),
-                    logical_cpus=4)
-    assert [s["step"] for s in out["samples"]] == [4, 8, 12, 16, 20, 24]
-    summary = out["summary"]
-    assert summary["steps"] == 24 and summary["retraces_after_first_epoch"] == 0
-    # Keras' train and test functions: each a tf.function over one that runs a step.
-    assert summary["train_traces_last"] == summary["test_traces_last"] == 2
-    assert 0 < summary["rss_mib_after_first_epoch"] <= summary["rss_max_after_first_epoch"]

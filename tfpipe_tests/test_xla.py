@@ -1,7 +1,7 @@
 """A step compiled as one XLA program (`compile(jit_compile=True)`) with every
-stage on one logical CPU trains to the weights of the step without XLA, in
-both executions; what XLA needs (one device, static batches for the loop) is
-refused with the fix."""
+stage on one logical CPU trains to plain Keras' weights, in every execution;
+what XLA needs (one device, static batches for the loop) is refused with the
+fix."""
 
 import keras
 import numpy as np
@@ -29,42 +29,53 @@ def _train(ref, execution, schedule, recompute, jit, x, y, m=4, batch_size=16):
 
 
 SLOW = pytest.mark.slow
-# (execution, schedule, recompute): two stages on one CPU for every schedule
-# (Segmented cuts each stage of a one-device schedule in two).
+# (execution, schedule, recompute): two stages on one CPU (Segmented cuts each
+# stage of a one-device schedule in two). A pairwise table: each schedule in
+# each execution and in each recompute mode, each execution in each mode it
+# takes (the loop: "always"); the default suite runs the first two rows (a
+# split backward in the loop, stage functions).
 CASES = [
-    pytest.param("unrolled", "1f1b/segments=2", "except_last", marks=SLOW),
     ("loop", "zbh1/segments=2", "always"),
     ("stage_functions", "1f1b/segments=2", "except_last"),
-    pytest.param("unrolled", "gpipe/segments=2", "always", marks=SLOW),
     pytest.param("unrolled", "gpipe/segments=2", "except_last", marks=SLOW),
-    pytest.param("unrolled", "gpipe/segments=2", "never", marks=SLOW),
     pytest.param("unrolled", "1f1b/segments=2", "always", marks=SLOW),
     pytest.param("unrolled", "1f1b/segments=2", "never", marks=SLOW),
-    pytest.param("unrolled", "zbh1/segments=2", "always", marks=SLOW),
     pytest.param("unrolled", "zbh1/segments=2", "except_last", marks=SLOW),
-    pytest.param("unrolled", "zbh1/segments=2", "never", marks=SLOW),
-    pytest.param("unrolled", "interleaved:2", "except_last", marks=SLOW),
+    pytest.param("unrolled", "interleaved:2", "never", marks=SLOW),
+    pytest.param("stage_functions", "gpipe/segments=2", "always", marks=SLOW),
+    pytest.param("stage_functions", "gpipe/segments=2", "never", marks=SLOW),
+    pytest.param("stage_functions", "zbh1/segments=2", "never", marks=SLOW),
+    pytest.param("stage_functions", "interleaved:2", "except_last", marks=SLOW),
     pytest.param("loop", "gpipe/segments=2", "always", marks=SLOW),
     pytest.param("loop", "1f1b/segments=2", "always", marks=SLOW),
     pytest.param("loop", "interleaved:2", "always", marks=SLOW),
 ]
 
 
+def _plain_keras(x, y):
+    """Plain Keras' initial and trained weights and history on (x, y), once
+    per test process."""
+    def train():
+        ref = helpers.reference(helpers.mlp_layers(), (8,))
+        initial = ref.get_weights()
+        ref.compile(optimizer="adam", loss="mse", metrics=["mae"])
+        history = ref.fit(x, y, batch_size=16, shuffle=False, verbose=0).history
+        return dict(initial=initial, weights=ref.get_weights(), history=history)
+    return helpers.plain_reference(("xla", len(x)), train)
+
+
 @pytest.mark.parametrize("execution,schedule,recompute", CASES)
-def test_xla_step_matches_the_step_without_xla(execution, schedule, recompute):
-    # 48 rows / batch 16 = 3 Adam steps of M = 4 micro-batches.
+def test_xla_step_trains_like_plain_keras(execution, schedule, recompute):
+    # 48 rows / batch 16 = 3 Adam steps of M = 4 micro-batches. (That the step
+    # without XLA trains like plain Keras is test_exactness'.)
     x, y = helpers.regression_data(n=48)
+    plain = _plain_keras(x, y)
     ref = helpers.reference(helpers.mlp_layers(), (8,))
-    plain, h_plain = _train(ref, execution, schedule, recompute, False, x, y)
+    ref.set_weights(plain["initial"])
     compiled, h_xla = _train(ref, execution, schedule, recompute, True, x, y)
-    assert helpers.max_abs_diff(helpers.stage_weights(plain),
-                                helpers.stage_weights(compiled)) < TOL
-    np.testing.assert_allclose(h_xla["loss"], h_plain["loss"], rtol=1e-5)
-    np.testing.assert_allclose(h_xla["mae"], h_plain["mae"], rtol=1e-5)
-    # And both are plain Keras' weights.
-    ref.compile(optimizer="adam", loss="mse")
-    ref.fit(x, y, batch_size=16, shuffle=False, verbose=0)
-    assert helpers.max_abs_diff(ref.get_weights(), helpers.stage_weights(compiled)) < TOL
+    assert helpers.max_abs_diff(plain["weights"], helpers.stage_weights(compiled)) < TOL
+    np.testing.assert_allclose(h_xla["loss"], plain["history"]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(h_xla["mae"], plain["history"]["mae"], rtol=1e-5)
 
 
 @SLOW
