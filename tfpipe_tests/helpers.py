@@ -148,6 +148,17 @@ def plain_reference(key, train):
     return _REFERENCES[key]
 
 
+def fit_and_record(model, x, y, sample_weight=None, epochs=1, batch_size=16):
+    """A compiled model's weights before, then after `fit`, its history, and
+    `evaluate` and `predict` on the same data: what an exactness row compares."""
+    initial = model.get_weights()
+    history = model.fit(x, y, sample_weight=sample_weight, batch_size=batch_size,
+                        epochs=epochs, shuffle=False, verbose=0).history
+    return dict(initial=initial, weights=model.get_weights(), history=history,
+                evaluate=model.evaluate(x, y, batch_size=batch_size, verbose=0),
+                predict=model.predict(x, batch_size=batch_size, verbose=0))
+
+
 def shared_directory(tmp_path_factory, name, make):
     """A directory that `make(directory)` fills once per pytest run, whichever
     process asks first: a module fixture's expensive result (a training run)

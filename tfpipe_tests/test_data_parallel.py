@@ -137,14 +137,9 @@ def _plain(name):
     def train():
         make, data = MODELS[name]
         plain = make()
-        initial = plain.get_weights()
         _compile(plain)
         x, y, sw = data()
-        history = plain.fit(x, y, sample_weight=sw, batch_size=16, epochs=2, shuffle=False,
-                            verbose=0).history
-        return dict(initial=initial, weights=plain.get_weights(), history=history,
-                    evaluate=plain.evaluate(x, y, batch_size=16, verbose=0),
-                    predict=plain.predict(x, batch_size=16, verbose=0))
+        return helpers.fit_and_record(plain, x, y, sw, epochs=2)
     return helpers.plain_reference(("data_parallel", name), train)
 
 

@@ -121,13 +121,8 @@ def _plain(name):
     def train():
         layers, input_shape, (x, y, sw), compile_kwargs = _setup(name)
         ref = helpers.reference(layers, input_shape)
-        initial = ref.get_weights()
         ref.compile(**compile_kwargs)
-        history = ref.fit(x, y, sample_weight=sw, batch_size=16, epochs=1, shuffle=False,
-                          verbose=0).history
-        return dict(initial=initial, weights=ref.get_weights(), history=history,
-                    evaluate=ref.evaluate(x, y, batch_size=16, verbose=0),
-                    predict=ref.predict(x, batch_size=16, verbose=0))
+        return helpers.fit_and_record(ref, x, y, sw)
     return helpers.plain_reference(("exactness", name), train)
 
 
