@@ -296,3 +296,23 @@ def test_called_function_calls_its_concrete_function_on_tf_ordered_tensors(args_
     assert float(mine) == float(again) == float(theirs) > 0
     assert results["mine"]["pair"][1] is None
     assert [entry[1] for entry in called.concrete.values()] == ([True] if flat else [])
+
+
+def test_keras_model_state_the_keras_face_reads():
+    """The private Keras model state `PipelinedModel` reads or sets through
+    `_internal`: the compiled loss, the loss tracker, the resolved
+    jit_compile, the strategy fit runs under, a layer's call-context
+    arguments and a trackable's checkpoint children."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2),
+                              keras.layers.Dropout(0.5)])
+    assert _internal.compiled_loss(model) is None
+    model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+    assert _internal.compiled_loss(model) is not None
+    assert _internal.loss_tracker(model).name == "loss"
+    assert _internal.jit_compile(model) is False
+    assert "training" in _internal.call_context_args(model.layers[1])
+    strategy = tfpipe.PipelineStrategy(devices=["/CPU:0"])
+    _internal.set_distribute_strategy(model, strategy)
+    assert model.distribute_strategy is strategy
+    children = _internal.checkpoint_children(model)
+    assert children and all(hasattr(c, "_trackable_children") for c in children.values())
