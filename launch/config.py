@@ -97,8 +97,6 @@ MODEL_DATA = {
 }
 RECOMPUTE_MODES = ("auto",) + schedules.RECOMPUTE_MODES  # auto: tfpipe's default
 EXECUTIONS = ("auto",) + tuple(tfpipe_config.EXECUTIONS)  # auto: tfpipe's choice
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved:V", "zbh1", "zbv",
-             "NAME/segments=N")
 
 
 KEEP_CHECKPOINTS = 3  # the newest this many committed checkpoints are kept
