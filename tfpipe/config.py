@@ -64,12 +64,10 @@ BATCH_NORM_MODES = ("deferred", "plain")
 def execution(name):
     """The `Execution` named `name`; a ValueError naming the choices otherwise."""
     if name not in EXECUTIONS:
+        choices = [f"{e.name!r} ({e.description})" for e in EXECUTIONS.values()]
         raise ValueError(
-            f"Unknown execution {name!r}. Use 'unrolled' (every action traced; all recompute "
-            f"modes), 'stage_functions' (every action called, each stage traced once as a "
-            f"tf.function; all recompute modes) or 'loop' (a tf.while_loop over clock ticks; graph "
-            f"size independent of num_microbatches; recompute='always'), or leave it unset (None) "
-            f"for tfpipe's choice (tfpipe.config.default_execution).")
+            f"Unknown execution {name!r}. Use {', '.join(choices[:-1])} or {choices[-1]}, or "
+            f"leave it unset (None) for tfpipe's choice (tfpipe.config.default_execution).")
     return EXECUTIONS[name]
 
 

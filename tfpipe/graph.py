@@ -347,5 +347,6 @@ def _describe(structure):
 
 
 def is_shape(value):
-    """Whether `value` is one shape: a tuple or list of ints and Nones."""
-    return isinstance(value, (tuple, list)) and all(d is None or isinstance(d, int) for d in value)
+    """Whether `value` is one shape: a tuple, list or `tf.TensorShape` of ints and Nones."""
+    return isinstance(value, (tuple, list, tf.TensorShape)) and all(
+        d is None or isinstance(d, int) for d in value)

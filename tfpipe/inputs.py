@@ -9,18 +9,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpipe import graph as graph_lib
 from tfpipe import xla
-
-
-def is_shape(value):
-    """Whether `value` is one shape: a tuple or list of ints and Nones."""
-    return isinstance(value, (tuple, list, tf.TensorShape)) and all(
-        d is None or isinstance(d, int) for d in value)
 
 
 def map_shapes(fn, shapes):
     """`fn` applied to every shape of a nest of shapes."""
-    if is_shape(shapes):
+    if graph_lib.is_shape(shapes):
         return fn(tuple(shapes))
     if isinstance(shapes, dict):
         return {k: map_shapes(fn, v) for k, v in shapes.items()}

@@ -398,9 +398,9 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         scale = self.optimizer.scale_loss if self.optimizer is not None else None
         pipeline = self.replica_pipelines[replicas.replica_index()]
         result = pipeline.train(batch, split, scale)
-        gradients_lib.check_reached(pipeline.variable_table(), result.grads,
+        gradients_lib.check_reached(result.table, result.grads,
                                     [stage.name for stage in self.stages], self.name)
-        pairs = list(zip(result.grads, pipeline.variables))
+        pairs = list(zip(result.grads, result.table.variables))
         if pairs:
             self.optimizer.apply_gradients(pairs)
         return self._update_metrics(batch, result.y_pred, result.loss, split,

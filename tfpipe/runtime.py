@@ -76,12 +76,14 @@ class Store(typing.Protocol):
 
 class StepResult(typing.NamedTuple):
     """One training step's result: `y_pred` (whole batch), `loss` (float32,
-    unscaled), `term_values` (per compiled loss term) and `grads` (per
-    `VariableTable.variables` entry; None: unconnected)."""
+    unscaled), `term_values` (per compiled loss term), `grads` (per entry of
+    `table.variables`; None: unconnected) and `table`, the step's
+    `VariableTable`."""
     y_pred: object
     loss: object
     term_values: list
     grads: list
+    table: object
 
 
 class Produced:
@@ -249,7 +251,7 @@ class Step(Interpreter):
         if bn_ops:
             with tf.control_dependencies(bn_ops):
                 loss = tf.identity(loss)
-        return StepResult(y_pred, loss, term_values, grads)
+        return StepResult(y_pred, loss, term_values, grads, table)
 
     def _commit_batch_norm(self, sites_per_stage):
         """Deferred BatchNorm: one moving-statistics update per call site;
