@@ -194,7 +194,7 @@ def measure(model_or_graph, samples, repeats=2, times=True, backward=True):
     owner, units = set(), []
     with KeepState(graph.model.variables):
         envs = [graph_lib.run_units(graph.units, _env(graph, s), True) for s in samples]
-        rows = [_rows(s) for s in samples]
+        rows = [rows_of(s) for s in samples]
         tensor_bytes = {i: _nbytes(t) for i, t in envs[0].items()}
         for unit in graph.units:
             weights = [w for w in getattr(unit.op, "weights", []) if id(w) not in owner]
@@ -212,7 +212,8 @@ def measure(model_or_graph, samples, repeats=2, times=True, backward=True):
     return units, tensor_bytes
 
 
-def _rows(sample):
+def rows_of(sample):
+    """The batch size (rows) of a sample batch: its first leaf's first dimension."""
     leaf = next(t for t in tf.nest.flatten(sample) if t is not None)
     return int(np.shape(leaf)[0])
 

@@ -74,7 +74,3 @@ def scope(device):
     """The placement scope of `device` (a name or a `StageDevice`)."""
     return as_stage_device(device).scope()
 
-
-def name(device):
-    """The printable name of `device` (a name or a `StageDevice`)."""
-    return as_stage_device(device).name

@@ -58,8 +58,13 @@ class Pipeline:
         self.stage_device = [schedule.stage_device(k, len(self.devices))
                              for k in range(len(self.stages))]
         self.backend = BACKENDS[config.execution]()
-        self._states = tuple(recompute_lib.StageState(s) for s in self.stages)
-        self.options = options or step_plan.TraceOptions()
+        # The static part of every step (`StepPlan`), made once.
+        self.plan = step_plan.StepPlan(
+            layers=tuple(self.stages), devices=tuple(self.devices),
+            stage_device=tuple(self.stage_device),
+            states=tuple(recompute_lib.StageState(s) for s in self.stages),
+            schedule=schedule, recompute=config.recompute, batch_norm=config.batch_norm,
+            traits=config.traits, options=options or step_plan.TraceOptions())
 
     @property
     def num_stages(self):
@@ -70,31 +75,17 @@ class Pipeline:
         return self.config.num_microbatches
 
     @property
-    def plan(self):
-        """The `StepPlan` every step of this pipeline runs."""
-        config = self.config
-        return step_plan.StepPlan(
-            layers=tuple(self.stages), devices=tuple(self.devices),
-            stage_device=tuple(self.stage_device), states=self._states,
-            schedule=config.schedule, recompute=config.recompute,
-            batch_norm=config.batch_norm, traits=config.traits, options=self.options)
-
-    def variable_table(self):
-        """The `tfpipe.step_plan.VariableTable` of the stages as they are now."""
-        return step_plan.VariableTable(self.stages)
-
-    @property
     def variables(self):
         """The distinct trainable variables of all stages, in stage order."""
-        return self.variable_table().variables
+        return self.plan.variable_table().variables
 
     def stage_of_variables(self):
         """For each of `variables`, the stages that use it (first: its home)."""
-        return self.variable_table().users
+        return self.plan.variable_table().users
 
     def stage_scope(self, k):
         """The placement scope of stage k's device."""
-        return self.devices[self.stage_device[k]].scope()
+        return self.plan.stage_scope(k)
 
     def forward(self, batch, training=False):
         """The forward actions on a `Batch`: (y_pred for the whole batch, the call

@@ -11,6 +11,7 @@ import os
 import keras
 import tensorflow as tf
 
+from tfpipe import config as config_lib
 from tfpipe import model as model_lib
 from tfpipe import saving
 from tfpipe import strategy as strategy_lib
@@ -26,11 +27,10 @@ def load_model(path, balance=None, custom_objects=None, compile=True, **settings
         raise ValueError(f"path must be a .keras file, got {path!r}. For checkpoints use "
                          f"tf.train.Checkpoint(model=model).restore(...) on a model you "
                          f"built at the new layout.")
-    unknown = sorted(set(settings) - {"num_microbatches", "schedule", "recompute",
-                                      "execution", "batch_norm"})
+    unknown = sorted(set(settings) - set(config_lib.FIELDS))
     if unknown:
         raise ValueError(f"load_model got unknown setting(s) {unknown}; it takes "
-                         f"num_microbatches, schedule, recompute, execution, batch_norm "
+                         f"{', '.join(config_lib.FIELDS)} "
                          f"(devices come from the PipelineStrategy in scope).")
     if tf.distribute.has_strategy() and strategy_lib.current_pipeline_strategy() is None:
         raise ValueError(

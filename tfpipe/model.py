@@ -381,9 +381,8 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         # trackers record the global values weighted by this replica's rows.
         loss, term_values = replicas.sum_over_replicas((loss, list(term_values)))
         _internal.loss_tracker(self).update_state(loss, sample_weight=batch.split.num_rows)
-        y_true = batch.y
+        arranged = split.arrange(batch.y, y_pred, None)[1] if split.terms else None
         for metric, value, term in zip(split.trackers, term_values, split.terms):
-            _, arranged, _ = split.arrange(y_true, y_pred, None)
             y_p = loss_lib.resolve(term.path, arranged)
             metric.update_state(value, sample_weight=keras.tree.flatten(y_p)[0].shape[0])
         logs = self.compute_metrics(batch.x, batch.y, y_pred, sample_weight=batch.sample_weight)

@@ -7,8 +7,6 @@ time or memory (`tfpipe.costs`), as torchgpipe's `balance_by_time` / `_size`.
 """
 
 import keras
-import numpy as np
-import tensorflow as tf
 
 from tfpipe import costs
 from tfpipe import graph as graph_lib
@@ -108,8 +106,7 @@ def time_costs(model, sample, repeats=3):
     """Seconds of forward + backward of each unit on `sample`, the fastest of
     `repeats` runs (`tfpipe.costs.measure`). `model` may be its `Graph`."""
     units, _ = costs.measure(model, [sample], repeats)
-    rows = int(np.shape(next(t for t in tf.nest.flatten(sample) if t is not None))[0])
-    return [u.seconds(rows) for u in units]
+    return [u.seconds(costs.rows_of(sample)) for u in units]
 
 
 def memory_costs(model, sample):

@@ -126,7 +126,7 @@ def test_stage_device_scope_places_variables_and_ops(device, expected):
         v = tf.Variable(1.0)
         t = v * 2.0
     assert v.device.endswith(expected) and t.device.endswith(expected)
-    assert devices.name(device).endswith(expected)
+    assert devices.as_stage_device(device).name.endswith(expected)
 
 
 # bad input -> error text
