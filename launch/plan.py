@@ -10,9 +10,10 @@ the same builders, data shapes and `PipelineStrategy`), but nothing is
 trained and nothing is written. The table has one row per stage
 (parameters, parameter / optimizer-state / gradient bytes, activation bytes
 per micro-batch and at their peak, predicted peak memory, forward and
-backward milliseconds per micro-batch), the totals, the predicted step time
-and bubble, and a recommended M, balance, schedule and recompute mode for
-the devices at hand. `tfpipe/planner.py` says what is measured and what is
+backward milliseconds per micro-batch, each layer timed alone), the totals,
+the step time relative to other plans (not to a run's) and the bubble, and
+a recommended M, balance, schedule and recompute mode for the devices at
+hand. `tfpipe/planner.py` says what is measured and what is
 predicted.
 
 Flags are checked before TensorFlow starts (`launch.config`): a bad one is

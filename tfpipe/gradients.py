@@ -121,5 +121,7 @@ def check_reached(table, grads, stage_names, model_name):
         f"No gradient reaches {sum(len(p) for p in missing.values())} trainable variable(s) in a "
         f"training step of {model_name!r}: {where}. Keras would only warn and leave them "
         f"unchanged; tfpipe stops rather than train silently wrong. If they should stay fixed, set "
-        f"trainable=False on their layers before compile; otherwise make the loss depend on them "
+        f"trainable=False on their layers, or on the variables themselves when their layer's "
+        f"other weights train (variable.trainable = False; e.g. an untied output embedding "
+        f"that a backbone never reads), before compile; otherwise make the loss depend on them "
         f"(a loss for every output they feed, no stop_gradient on the way).")

@@ -182,7 +182,8 @@ class _Reader:
 
     def read_node(self, op, node):
         args, kwargs = node.arguments.args, dict(node.arguments.kwargs)
-        if _is_functional(op) or isinstance(op, keras.Sequential):
+        if ((_is_functional(op) or isinstance(op, keras.Sequential))
+                and overriding_class(op, "call") is None):
             self.inline(op, node, args, kwargs)
             return
         template = self.template((args, kwargs), f"layer {op.name!r}")
@@ -294,8 +295,73 @@ def as_graph(model_or_graph):
     return model_graph(model_or_graph)
 
 
+# The Keras hooks a PipelinedModel does not run (it runs its own step, the
+# compiled loss split over micro-batches, and the model's graph layer by
+# layer), each with the way out for a model whose class overrides it.
+_EXTRA_TERM = ("move the extra work into the compiled loss (a custom loss function of "
+               "y_true, y_pred), an add_loss() call in a layer, or a callback")
+NOT_RUN_HOOKS = {
+    "train_step": _EXTRA_TERM,
+    "test_step": _EXTRA_TERM,
+    "compute_loss": _EXTRA_TERM,
+    "compute_metrics": "pass the metrics to compile(metrics=...) instead",
+    "predict_step": ("post-process what predict() returns, or end the model with a layer "
+                     "that does it"),
+    "call": ("build what call() adds into the functional graph (from layers, or a custom "
+             "layer holding that code)"),
+}
+
+
+def overriding_class(model, hook):
+    """The first class of `model`'s type below `keras.Model` that defines
+    `hook`, Keras' own classes (Sequential, Functional) aside; else None."""
+    for cls in type(model).__mro__:
+        if cls is keras.Model:
+            return None
+        if hook in vars(cls) and not cls.__module__.startswith("keras."):
+            return cls
+    return None
+
+
+def check_hooks_run(model):
+    """Raises ValueError if `model`'s class overrides a hook tfpipe would not
+    run (`NOT_RUN_HOOKS`): training would silently differ from its own fit."""
+    for hook, fix in NOT_RUN_HOOKS.items():
+        cls = overriding_class(model, hook)
+        if cls is not None:
+            raise ValueError(
+                f"{type(model).__name__} overrides {hook}() (in class {cls.__name__}), which "
+                f"a PipelinedModel does not run: it runs its own step (the compiled loss, "
+                f"split over micro-batches) over the model's layers, so what {hook}() does "
+                f"would be silently lost. To pipeline it, {fix}; or train the plain model "
+                f"without tfpipe.")
+
+
+def _not_a_graph(model):
+    """Why `model` cannot be read as a graph, and what to do instead."""
+    name = type(model).__name__
+    if not isinstance(model, keras.Model):
+        return (f"from_model needs a keras.Sequential or functional keras.Model, got {name}, "
+                f"which is not a model. Wrap it: keras.Sequential([...]), or pass stages: "
+                f"tfpipe.PipelinedModel([stage_0, stage_1, ...]).")
+    return (f"from_model needs a keras.Sequential or functional keras.Model, got {name}, a "
+            f"subclassed model: its call() is Python code tfpipe cannot read or cut. Either "
+            f"rebuild it as a functional model from its own layers (inputs = keras.Input(...); "
+            f"h = net.layer_a(inputs); ...; keras.Model(inputs, outputs): the layers and their "
+            f"weights are shared) and pass that to from_model, or write the stages yourself: "
+            f"tfpipe.PipelinedModel([stage_0, stage_1, ...]), each a Keras layer or model "
+            f"taking the previous stage's output (README, 'Subclassed models').")
+
+
 def model_graph(model):
-    """Reads a Sequential or functional `model` as a `Graph` of units."""
+    """Reads a Sequential or functional `model` as a `Graph` of units.
+
+    Refuses a model whose class overrides a hook tfpipe does not run
+    (`check_hooks_run`). A nested model whose class overrides `call` is one
+    unit (its call runs as written), not inlined."""
+    if not (isinstance(model, keras.Sequential) or _is_functional(model)):
+        raise ValueError(_not_a_graph(model))
+    check_hooks_run(model)
     if isinstance(model, keras.Sequential):
         layers = list(model.layers)
         specs, names = {}, {}
@@ -311,10 +377,6 @@ def model_graph(model):
             specs[i + 1], names[i + 1] = (None, None), layer.name
             units.append(Unit(layer, (Ref(i),), {}, [i + 1]))
         return Graph(model, units, Ref(0), Ref(len(layers)), specs, names, True)
-    if not _is_functional(model):
-        raise ValueError(
-            f"from_model needs a keras.Sequential or functional keras.Model, "
-            f"got {type(model).__name__}.")
     reader = _Reader(model)
     inputs = map_template(lambda t: Ref(reader.new_id(t, t.name)), model.input)
     reader.read_functional(model)

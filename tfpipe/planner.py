@@ -65,8 +65,9 @@ def optimizer_slots(optimizer):
 @dataclasses.dataclass
 class Recommendation:
     """The configuration `plan` recommends: its settings (`schedule` a name,
-    `balance` units per stage), predictions, `speedup` (the planned step time
-    / this one's), `fits` (None: no limit given) and a one-line `reason`."""
+    `balance` units per stage), predictions, `speedup` (the planned step's
+    predicted time / this one's: a ratio of two predictions made the same
+    way), `fits` (None: no limit given) and a one-line `reason`."""
     num_microbatches: int
     schedule: str
     recompute: str
@@ -90,8 +91,12 @@ def _ms(value):
 @dataclasses.dataclass
 class Plan:
     """What `tfpipe.plan` predicts for one configuration: `stages` (a
-    `tfpipe.prediction.StagePlan` each), device and host peaks (one host
-    holding every device, as logical CPUs do), step time (None: not timed)."""
+    `tfpipe.prediction.StagePlan` each), device and host peaks in bytes (one
+    host holding every device, as logical CPUs do), and `step_time_s`, the
+    schedule simulated with per-layer seconds each measured alone (None: not
+    timed). That time is relative: it leaves out per-call overhead and devices
+    sharing a host, so it compares configurations, not a plan with a run (the
+    README's main job: about 2.5x its measured mean step, on two machines)."""
     model: str
     batch_size: int
     num_microbatches: int
@@ -144,10 +149,15 @@ class Plan:
         lines = [head] + ["  ".join(v.rjust(w) if i > 1 else v.ljust(w)
                                     for i, (v, w) in enumerate(zip(r, widths)))
                           for r in [cols] + rows]
-        time_text = ("step time not measured" if self.step_time_s is None else
-                     f"predicted step {_ms(self.step_time_s)} ms (forward + backward, "
-                     f"simulated from measured per-unit times)")
-        lines.append(f"{time_text}; bubble {self.bubble_fraction:.1%} (simulator)")
+        if self.step_time_s is None:
+            lines.append(f"step time not measured; bubble {self.bubble_fraction:.1%} (simulator)")
+        else:
+            lines.append(
+                f"step time: relative only (this plan = 1.00 = {_ms(self.step_time_s)} ms of "
+                f"per-layer time, each layer timed alone, stages simulated in parallel); "
+                f"bubble {self.bubble_fraction:.1%} (simulator). A run's measured step "
+                f"differs (per-call overhead, devices sharing a host): compare plans with "
+                f"each other, not with a run.")
         limit = ("no device memory limit given (device_memory_bytes)"
                  if self.device_memory_bytes is None else
                  f"limit {_mib(self.device_memory_bytes)} MiB per device: "
@@ -160,8 +170,8 @@ class Plan:
             lines.append(
                 f"recommended: M={r.num_microbatches}, schedule={r.schedule}, "
                 f"recompute={r.recompute}, balance={r.balance}: "
-                + (f"step {_ms(r.step_time_s)} ms ({r.speedup:.2f}x), " if r.step_time_s
-                   else "")
+                + (f"predicted step {1 / r.speedup:.2f} of this plan's ({r.speedup:.2f}x, "
+                   f"predicted the same way), " if r.speedup else "")
                 + f"bubble {r.bubble_fraction:.1%}, peak "
                 f"{_mib(max(r.device_peak_bytes))} MiB per device. {r.reason}")
         return "\n".join(lines)

@@ -310,11 +310,14 @@ class StageBackward:
     action. It takes the incoming gradients (so it runs at backward time
     without a gate) and, per weight homed here with a dense gradient, its
     running sum (first a scalar zero: 0 + g is g exactly; traced for sums of
-    any shape, so later calls do not retrace)."""
+    any shape, so later calls do not retrace). A weight the stage's loss does
+    not reach comes back None, as from the other executions, never as the
+    zero it was given: `gradients.check_reached` decides what that means."""
 
     def __init__(self, stage):
         self.stage = stage
         self.sparse = set()  # positions in stage.variables with IndexedSlices gradients
+        self.unconnected = set()  # positions whose gradient the tape left None
         self.traced_once = False
         self.zeros = {}  # dtype -> the zero a first weight gradient is added to
         self.function = CalledFunction(self._traced_body)
@@ -328,6 +331,7 @@ class StageBackward:
             input_grads, grads = stage_gradients(stage, tape, packed, stage.pack(out), extra,
                                                  parts, g_out, lambda: extra_seed)
             self.sparse |= {j for j, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)}
+            self.unconnected |= {j for j, g in enumerate(grads) if g is None}
             grads = [g if s is None or isinstance(g, tf.IndexedSlices) else
                      s if g is None else _sum_like(s, g) for s, g in zip(sums, grads)]
         return input_grads, grads
@@ -335,13 +339,14 @@ class StageBackward:
     def __call__(self, kept, g_out, m, weight_sum):
         """(input gradients, per weight its gradient or new sum, whether each is a sum)."""
         stage = self.stage
-        sums = []
+        sums, first = [], set()  # first: positions given the zero, not a sum
         for j, i in enumerate(stage.indices):
             if not stage.homes[j] or j in self.sparse:
                 sums.append(None)
                 continue
             total = weight_sum(i)
             if total is None:
+                first.add(j)
                 dtype = stage.variables[j].dtype
                 if dtype not in self.zeros:
                     self.zeros[dtype] = tf.zeros((), dtype)
@@ -358,6 +363,9 @@ class StageBackward:
                 *args, [None if s is None else tf.TensorSpec(None, s.dtype) for s in sums])
             self.traced_once = True
         input_grads, grads = self.function(*args, sums)
+        # The body passed the zero through for an unreached weight: no gradient.
+        grads = [None if j in first and j in self.unconnected else g
+                 for j, g in enumerate(grads)]
         summed = [s is not None and j not in self.sparse and g is not None
                   for j, (s, g) in enumerate(zip(sums, grads))]
         return input_grads, grads, summed
