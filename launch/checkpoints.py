@@ -34,22 +34,22 @@ import os
 import pathlib
 import re
 import secrets
+import time
 
 import keras
 import tensorflow as tf
 
 from launch import config as config_lib
+from launch import outputs
 from launch.config import Diverged, RunError
 from launch.files import atomic_write, canonical, fsync_dir, sha256
 
-CHECKPOINT_DIR = "checkpoints"
-STATE_FILE = "checkpoint"  # TF's CheckpointManager state file name
-SKIPPED_DIR = "skipped"
-MANIFEST = ".manifest.json"
+from launch.outputs import CHECKPOINT_DIR, MANIFEST, SKIPPED_DIR, STATE_FILE  # noqa: F401
+
 FORMAT = 1
 KEEP = config_lib.KEEP_CHECKPOINTS
 
-_CKPT_FILE = re.compile(r"ckpt-([0-9]+)(\..+)$")
+_CKPT_FILE = outputs.CHECKPOINT_FILE
 
 
 class Damaged(Exception):
@@ -134,6 +134,14 @@ class CheckpointStore:
         if manifest.get("format") != FORMAT or manifest.get("step") != step:
             raise Damaged(f"{name}{MANIFEST} describes format {manifest.get('format')!r}, "
                           f"step {manifest.get('step')!r}")
+        try:
+            recorded = manifest["history"]["steps"]
+            last = recorded[-1]["step"] if recorded else 0
+        except (KeyError, TypeError, IndexError) as err:
+            raise Damaged(f"{name}{MANIFEST} holds no readable history ({type(err).__name__})") \
+                from None
+        if last != step:  # a manifest re-signed by hand, or written by a bug
+            raise Damaged(f"{name}{MANIFEST}'s history ends at step {last}, not at step {step}")
         for file_name, expected in sorted(manifest["files"].items()):
             path = self.dir / file_name
             if not path.exists():
@@ -274,7 +282,9 @@ def non_finite_variables(variables):
 
 
 class Checkpointer(keras.callbacks.Callback):
-    """Counts steps and saves a checkpoint (with the history) every `every` steps.
+    """Counts steps and saves a checkpoint (with the history): every `every`
+    steps, when `every_secs` have passed since the last save, and at the end
+    of every epoch that saved none (so a run saves at least once per epoch).
 
     A step that ends an epoch is saved at the epoch's end, after validation,
     so the history saved with it holds that epoch's validation metrics.
@@ -283,42 +293,92 @@ class Checkpointer(keras.callbacks.Callback):
     Args:
       store: the `CheckpointStore`, whose checkpoint holds `step`.
       step: int64 `tf.Variable`, steps done; incremented after every batch.
-      every: save every this many steps (0: never during training).
+      every: save every this many steps (0: not by count).
       steps_per_epoch: steps in one (full) epoch.
       history: the `RunHistory` to save with each checkpoint.
       variables: the variables whose floating-point ones must be finite to be saved.
+      every_secs: also save when this many seconds passed since the last save
+        (0: not by time).
 
     Raises (from fit, or `save`):
       Diverged: a weight is NaN or infinite; nothing is saved.
     """
 
-    def __init__(self, store, step, every, steps_per_epoch, history, variables):
+    def __init__(self, store, step, every, steps_per_epoch, history, variables,
+                 every_secs=0.0):
         super().__init__()
         self.store, self.step_var = store, step
         self.every, self.steps_per_epoch = int(every), int(steps_per_epoch)
+        self.every_secs = float(every_secs)
         self.history = history
         self.variables = list(variables)
+        self._last_save = time.monotonic()
+
+    def _due(self, step):
+        return ((self.every and step % self.every == 0) or (
+            self.every_secs and time.monotonic() - self._last_save >= self.every_secs))
 
     def on_train_batch_end(self, batch, logs=None):
         step = int(self.step_var.assign_add(1))
-        if self.every and step % self.every == 0 and step % self.steps_per_epoch:
+        if step % self.steps_per_epoch and self._due(step):
             self.save()
 
     def on_epoch_end(self, epoch, logs=None):
         step = int(self.step_var)
-        if self.every and step % self.every == 0:
+        epoch_start = step - (step - 1) % self.steps_per_epoch - 1
+        saved_this_epoch = (self.store.latest_step or 0) > epoch_start
+        if self._due(step) or not saved_this_epoch:
             self.save()
 
     def save(self):
         """Saves a checkpoint numbered by the step (once per step) and history.json."""
         step = int(self.step_var)
         if self.store.latest_step == step:
-            return
+            return self.store.path(step)
         bad = non_finite_variables(self.variables)
         if bad:
             raise Diverged(
                 f"after step {step} {len(bad)} variable(s) hold NaN or infinite values "
                 f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}), although the "
                 f"loss was finite", step)
-        self.store.save(step, self.history)
+        path = self.store.save(step, self.history)
         self.history.save()
+        self._last_save = time.monotonic()
+        return path
+
+
+class StopRequested(Exception):
+    """Raised out of `fit` at a step boundary after a signal (`StopOnRequest`)."""
+
+
+class StopOnRequest(keras.callbacks.Callback):
+    """Ends `fit` at the first step boundary after a signal (`launch.signals`).
+
+    After a step inside an epoch it raises `StopRequested` at once (no
+    validation and no epoch end are recorded for a part of an epoch, so a
+    resume repeats nothing); after an epoch's last step it waits for the
+    epoch's end, after validation and the `Checkpointer`'s save. List it
+    after the `Checkpointer`.
+
+    Args:
+      request: the `launch.signals.StopRequest` (its `signum` set by a signal).
+      step: the int64 step `tf.Variable` the `Checkpointer` counts.
+      steps_per_epoch: steps in one (full) epoch.
+    """
+
+    def __init__(self, request, step, steps_per_epoch):
+        super().__init__()
+        self.request, self.step_var = request, step
+        self.steps_per_epoch = int(steps_per_epoch)
+
+    def on_train_begin(self, logs=None):
+        if self.request.signum is not None:
+            raise StopRequested()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.request.signum is not None and int(self.step_var) % self.steps_per_epoch:
+            raise StopRequested()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.request.signum is not None:
+            raise StopRequested()

@@ -15,7 +15,9 @@ Exit codes of `python -m launch.train` (the `exit_code` of each error class):
 - 2: `--model_dir` is in use by another run (`ModelDirBusy`);
 - 3: training diverged: a non-finite loss or non-finite weights (`Diverged`);
 - 4: a worker of --cluster was lost: it froze (`--step_timeout`'s
-  `tfpipe.StepWatchdog` ends the process) or died (`WorkerLost`).
+  `tfpipe.StepWatchdog` ends the process) or died (`WorkerLost`);
+- 128 + N: stopped by signal N (SIGTERM 143, SIGINT 130, SIGHUP 129) after
+  saving a checkpoint (`Stopped`; `launch.signals`).
 """
 
 import dataclasses
@@ -25,6 +27,7 @@ import os
 import re
 
 from launch import data as data_lib
+from launch import outputs
 from tfpipe import config as tfpipe_config
 from tfpipe import schedules
 
@@ -33,6 +36,7 @@ class RunError(ValueError):
     """A run that cannot start or go on, with a message that says why and what to do."""
 
     exit_code = 1
+    label = "error"  # launch.train prints "launch.train: <label>: <message>"
 
 
 class ModelDirBusy(RunError):
@@ -57,6 +61,16 @@ class WorkerLost(RunError):
     exit_code = 4  # tfpipe.watchdog.EXIT_CODE: a frozen worker ends the run with it too
 
 
+class Stopped(RunError):
+    """The run stopped on a signal after saving a checkpoint; `--resume` continues it."""
+
+    label = "stopped"
+
+    def __init__(self, message, exit_code):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 @dataclasses.dataclass
 class TrainConfig:
     """Everything one training run needs; the flags of `launch.train` map onto it."""
@@ -77,8 +91,10 @@ class TrainConfig:
     steps_per_epoch: int = 0  # 0: one pass over the training data
     logical_cpus: int = 4
     model_dir: str = "/tmp/tfpipe_run"
-    checkpoint_every: int = 100  # steps; 0: only at the end
+    checkpoint_every: int = 100  # steps; 0: none by count (epoch ends and the end still save)
+    checkpoint_every_secs: float = 0.0  # seconds; > 0: also save when this long since the last
     resume: bool = False
+    overwrite: bool = False  # a fresh run may replace the outputs of a previous run
     reshard: bool = False  # with resume: the checkpoint may come from another --stages
     learning_rate: float = 1e-3
     seed: int = 0
@@ -185,7 +201,8 @@ def _check_model_dir(value):
         return "must name a directory"
     if os.path.exists(value) and not os.path.isdir(value):
         return f"{value} exists and is not a directory"
-    return None
+    problems_found = outputs.path_problems(value)
+    return problems_found[0] if problems_found else None
 
 
 _LOCAL_CLUSTER = re.compile(r"local:([0-9]+)")
@@ -254,6 +271,13 @@ def _check_verbose(value):
     return None
 
 
+def _check_seconds(value):
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value < 0):
+        return f"must be a number of seconds >= 0 (0: off), got {value!r}"
+    return None
+
+
 def _check_bool(value):
     if not isinstance(value, bool):
         return f"must be True or False, got {value!r}"
@@ -275,8 +299,10 @@ FIELD_CHECKS = {
     "steps_per_epoch": _int_at_least(0, "0: one pass over the training data"),
     "logical_cpus": _int_at_least(1, "logical CPU devices"),
     "model_dir": _check_model_dir,
-    "checkpoint_every": _int_at_least(0, "steps; 0: only at the end"),
+    "checkpoint_every": _int_at_least(0, "steps; 0: only at epoch ends and the end"),
+    "checkpoint_every_secs": _check_seconds,
     "resume": _check_bool,
+    "overwrite": _check_bool,
     "reshard": _check_bool,
     "learning_rate": _check_learning_rate,
     "seed": _check_seed,
@@ -336,6 +362,13 @@ def _reshard_resumes(s):
     return None
 
 
+def _overwrite_or_resume(s):
+    if s["overwrite"] and s["resume"]:
+        return ("--overwrite starts afresh, deleting the previous run's outputs, and "
+                "--resume continues that run: pass one of them.")
+    return None
+
+
 def _cluster_holds_the_stages(s):
     if not s["cluster"]:
         return None
@@ -382,6 +415,7 @@ def _watchdog_watches_a_cluster(s):
 # (settings it reads, check); each runs only when every single setting it reads is fine.
 CROSS_CHECKS = [
     (("reshard", "resume"), _reshard_resumes),
+    (("overwrite", "resume"), _overwrite_or_resume),
     (("microbatches", "batch_size"), _microbatches_fit_the_batch),
     (("model", "dataset"), _model_takes_the_dataset),
     (("stages", "schedule", "microbatches"), _stages_fit_the_schedule),

@@ -18,6 +18,7 @@ checkpoint ever holds a NaN, so the newest checkpoint is always the last
 finite state.
 """
 
+import bisect
 import json
 import math
 import pathlib
@@ -30,9 +31,7 @@ import tensorflow as tf
 from launch.config import Diverged
 from launch.files import atomic_write
 
-HISTORY_FILE = "history.json"
-LOSS_PLOT = "loss.png"
-TENSORBOARD_DIR = "tensorboard"
+from launch.outputs import HISTORY_FILE, LOSS_PLOT, TENSORBOARD_DIR  # noqa: F401
 
 
 class RunHistory:
@@ -44,20 +43,29 @@ class RunHistory:
       steps: list of {"step": s (steps done, 1-based), "rows": batch rows,
         "loss": ..., <metric>: ...}, in order: each step's own values.
       epochs: list of {"epoch": e (1-based), "step": s, "val_loss": ..., ...}.
+      changes: list of {"step": s, "learning_rate": lr}: the settings a resume
+        may change, from step s on (the first entry at step 0).
     """
 
-    def __init__(self, path, run, steps=None, epochs=None):
+    def __init__(self, path, run, steps=None, epochs=None, changes=None):
         self.path = pathlib.Path(path)
         self.run = dict(run)
         self.steps = list(steps or [])
         self.epochs = list(epochs or [])
+        self.changes = list(changes or [])
 
     def to_json(self):
-        return {"run": self.run, "steps": self.steps, "epochs": self.epochs}
+        return {"run": self.run, "steps": self.steps, "epochs": self.epochs,
+                "changes": self.changes}
 
     @classmethod
     def from_json(cls, path, saved):
-        return cls(path, saved["run"], saved["steps"], saved["epochs"])
+        return cls(path, saved["run"], saved["steps"], saved["epochs"],
+                   saved.get("changes"))
+
+    def learning_rate(self):
+        """The learning rate of the newest step (None if never recorded)."""
+        return self.changes[-1]["learning_rate"] if self.changes else None
 
     def save(self):
         """Writes the history.json copy atomically (never read back by a resume)."""
@@ -72,7 +80,10 @@ class RunHistory:
     def steps_of_epoch(self, epoch):
         """The step entries of epoch `epoch` (0-based), in order."""
         spe = self.run["steps_per_epoch"]
-        return [s for s in self.steps if epoch * spe < s["step"] <= (epoch + 1) * spe]
+        # Steps are in order: a binary search, not a scan of the whole run.
+        first = bisect.bisect_right(self.steps, epoch * spe, key=lambda s: s["step"])
+        last = bisect.bisect_right(self.steps, (epoch + 1) * spe, key=lambda s: s["step"])
+        return self.steps[first:last]
 
     def per_epoch(self):
         """Keras-History-style dict of per-epoch lists: loss, metrics, val_*.
@@ -82,13 +93,12 @@ class RunHistory:
         """
         steps_per_epoch = self.run["steps_per_epoch"]
         out = {}
-        done = self.steps[-1]["step"] if self.steps else 0
-        num_epochs = -(-done // steps_per_epoch)  # the last one may be partial
+        by_epoch = {}  # one pass: O(steps), not O(steps x epochs)
+        for s in self.steps:
+            by_epoch.setdefault((s["step"] - 1) // steps_per_epoch + 1, []).append(s)
         val = {e["epoch"]: e for e in self.epochs}
-        for epoch in range(1, num_epochs + 1):
-            rows = self.steps_of_epoch(epoch - 1)
-            if not rows:
-                continue
+        for epoch in sorted(by_epoch):
+            rows = by_epoch[epoch]
             weights = np.array([s["rows"] for s in rows], dtype="float64")
             for key in rows[0]:
                 if key in ("step", "rows"):

@@ -20,9 +20,12 @@ with the same batches the uninterrupted run would have seen.
 This module imports no TensorFlow until the flags are parsed, checked
 (`launch.config`) and the lock on --model_dir is taken (`launch.run_lock`):
 a bad flag or a busy directory is one line, at once. Exit codes: 0 done;
-1 bad input (flags, settings, data, nothing intact to resume from); 2
---model_dir in use by another run; 3 diverged (a non-finite loss or weight);
-4 a worker of --cluster froze or died (named in the message).
+1 bad input (flags, settings, data, nothing intact to resume from, a
+--model_dir holding a previous run without --resume or --overwrite, a file
+system error); 2 --model_dir in use by another run; 3 diverged (a non-finite
+loss or weight); 4 a worker of --cluster froze or died (named in the
+message); 128 + N stopped by signal N (SIGTERM 143, SIGINT 130, SIGHUP 129)
+after finishing the step and saving a checkpoint (`launch.signals`).
 
     python -m launch.train --cluster=local:2 --stages=2 --step_timeout=60
     TF_CONFIG='{"cluster": {"worker": ["host0:2222", "host1:2222"]}}' \
@@ -53,7 +56,9 @@ from absl import logging as absl_logging  # noqa: E402
 
 from launch import config as config_lib  # noqa: E402
 from launch import data as data_lib  # noqa: E402
+from launch import outputs  # noqa: E402
 from launch import run_lock  # noqa: E402
+from launch import signals  # noqa: E402
 from launch.quiet import quiet_start_up  # noqa: E402
 from launch.config import RunError, TrainConfig  # noqa: E402
 
@@ -71,8 +76,13 @@ def train(config, callbacks=()):
     already exist on the stage devices), skipping damaged ones with a warning
     that names them, and continues with the batches the uninterrupted run
     would have drawn: 2N steps, or N steps + resume + N steps, give the same
-    weights and history, bit for bit. Without it, earlier checkpoints,
-    history and logs in model_dir are removed.
+    weights and history, bit for bit. Without it, a model_dir holding a
+    previous run's outputs is refused, or with `config.overwrite` those
+    outputs (and nothing else) are deleted first.
+
+    SIGTERM, SIGINT and SIGHUP (in the main thread) finish the step, save a
+    checkpoint and raise `Stopped` (exit code 128 + the signal's number);
+    `--resume` continues exactly (`launch.signals`).
 
     Args:
       config: a `TrainConfig`.
@@ -96,18 +106,40 @@ def train(config, callbacks=()):
       ModelDirBusy (a RunError): another run holds `config.model_dir`.
       Diverged (a RunError): a non-finite loss or weight; nothing
         non-finite was saved.
+      Stopped (a RunError): a signal stopped the run after it saved.
       ImportError: the tensorboard package is missing.
     """
     config_lib.check(config)
-    with run_lock.RunLock(config.model_dir) as lock:
+    with run_lock.RunLock(config.model_dir) as lock, signals.StopRequest() as stop:
         if lock.previous:
             print(f"launch.train: warning: taking over --model_dir={config.model_dir} from "
                   f"a run that ended without releasing it ({lock.previous}).",
                   file=sys.stderr, flush=True)
+        _prepare_model_dir(config)
         with quiet_start_up():
             from launch import trainer  # pylint: disable=import-outside-toplevel
 
-        return trainer.train(config, callbacks)
+        return trainer.train(config, callbacks, stop)
+
+
+def _prepare_model_dir(config):
+    """Before TensorFlow starts, holding the lock: a fresh run refuses a
+    --model_dir that holds a previous run's outputs, unless --overwrite, which
+    deletes those and only those (`launch.outputs`)."""
+    if config.resume:
+        return
+    found = outputs.find(config.model_dir)
+    if not found:
+        return
+    if not config.overwrite:
+        raise RunError(
+            f"--model_dir={config.model_dir} holds a previous run "
+            f"({outputs.describe(found, config.model_dir)}). Continue it with --resume, "
+            f"start afresh with --overwrite (deletes only the files launch.train wrote), or "
+            f"pass another --model_dir.")
+    removed = outputs.remove(config.model_dir)
+    print(f"--overwrite: removed the {len(removed)} file(s) the previous run wrote in "
+          f"{config.model_dir}.", flush=True)
 
 
 
@@ -168,12 +200,24 @@ flags.DEFINE_integer("logical_cpus", _DEFAULTS.logical_cpus,
                      "--stages, or --stages / v when interleaved).")
 flags.DEFINE_string("model_dir", _DEFAULTS.model_dir,
                     "Output folder: tensorboard/ (logs), checkpoints/, history.json "
-                    "(every step's loss) and loss.png. A run without --resume clears them. "
-                    "One run at a time: a second run on it stops at once (exit code 2).")
+                    "(every step's loss) and loss.png. A fresh run refuses one that holds "
+                    "a previous run (--resume, --overwrite). One run at a time: a second "
+                    "run on it stops at once (exit code 2).")
 flags.DEFINE_integer("checkpoint_every", _DEFAULTS.checkpoint_every,
                      "Save a checkpoint (model, optimizer, step, history) every this many "
-                     "steps; 0: only at the end. The final state is always saved; the "
-                     f"newest {config_lib.KEEP_CHECKPOINTS} are kept.")
+                     "steps; 0: none by count. An epoch without one saves at its end, a "
+                     "signal (SIGTERM, SIGINT, SIGHUP) saves before the run exits, and the "
+                     f"final state is always saved; the newest {config_lib.KEEP_CHECKPOINTS} "
+                     "are kept.")
+flags.DEFINE_float("checkpoint_every_secs", _DEFAULTS.checkpoint_every_secs,
+                   "Also save a checkpoint when this many seconds have passed since the "
+                   "last one (for preemptible machines); 0: off. Every epoch without a "
+                   "checkpoint saves one at its end.")
+flags.DEFINE_bool("overwrite", _DEFAULTS.overwrite,
+                  "Start afresh in a --model_dir that holds a previous run, deleting the "
+                  "files that run wrote (its checkpoints, history.json, loss.png, "
+                  "TensorBoard and timeline files) and nothing else. Without it such a "
+                  "directory is refused (use --resume to continue the run).")
 flags.DEFINE_bool("resume", _DEFAULTS.resume,
                   "Continue from the newest intact checkpoint in --model_dir (same batches "
                   "and loss curve as if never stopped; damaged checkpoints are skipped and "
@@ -276,8 +320,13 @@ def main(argv):
     try:
         result = train(config)
     except RunError as err:
-        print(f"launch.train: error: {err}", file=sys.stderr, flush=True)
+        print(f"launch.train: {err.label}: {err}", file=sys.stderr, flush=True)
         return err.exit_code
+    except OSError as err:  # the file system: permissions, a full disk, a vanished path
+        where = f" ({err.filename})" if err.filename else ""
+        print(f"launch.train: error: {err.strerror or err}{where}. Nothing after the newest "
+              f"committed checkpoint was saved.", file=sys.stderr, flush=True)
+        return 1
     print(format_summary(config, result))
     return 0
 

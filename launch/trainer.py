@@ -9,6 +9,7 @@ Data flow of one run:
     data_lib.load -> BatchOrder (the rows of every global step) -> model.fit
       callbacks: StepTimer -> StepRecorder (history, NaN guard, TensorBoard)
                  -> Checkpointer (verified checkpoints with the history inside)
+                 -> StopOnRequest (a signal: fit ends after the step, one save)
     --resume: CheckpointStore.find -> restore (variables, step, history)
               -> TensorBoard rebuilt from the history -> fit from that step
 """
@@ -16,7 +17,6 @@ Data flow of one run:
 import dataclasses
 import importlib.util
 import pathlib
-import shutil
 import sys
 import time
 from typing import Callable
@@ -31,7 +31,8 @@ from launch import files
 from launch import history as history_lib
 from launch import config as config_lib
 from launch import data as data_lib
-from launch.config import Diverged, RunError, WorkerLost
+from launch import signals
+from launch.config import Diverged, RunError, Stopped, WorkerLost
 from models import mlp
 from models import resnet_cnn
 from models import transformer_lm
@@ -206,26 +207,24 @@ def _print_stage_devices(config, strategy, spec, pids):
     sys.stdout.flush()
 
 
-# Run settings that only lay the model out on devices: --reshard may change them.
-LAYOUT_SETTINGS = ("stages",)
+# Run settings that change how the same model is computed (the stage layout,
+# the micro-batches, their order): --reshard may change them; the result
+# then matches the new settings, not bit for bit the old.
+LAYOUT_SETTINGS = ("stages", "microbatches", "schedule", "execution", "recompute")
 
 
 def _run_settings(config, model_name, dataset, steps_per_epoch):
-    """The settings a resumed run must share: they fix variables and data order."""
+    """The settings a resumed run must share: they fix the variables, the data
+    order and the computation. The learning rate is not one: a resume may
+    change it, and the history records when (`RunHistory.changes`)."""
     return {
         "model": model_name, "depth": config.depth, "dataset": dataset,
         "max_examples": config.max_examples, "stages": config.stages,
         "batch_size": config.batch_size, "steps_per_epoch": steps_per_epoch,
-        "seed": config.seed, "learning_rate": config.learning_rate,
+        "seed": config.seed, "microbatches": config.microbatches,
+        "schedule": config.schedule, "execution": config.execution,
+        "recompute": config.recompute,
     }
-
-
-def _clear_outputs(model_dir):
-    """A fresh (not resumed) run starts without the outputs of an earlier one."""
-    for name in (checkpoints.CHECKPOINT_DIR, history_lib.TENSORBOARD_DIR, "timeline"):
-        shutil.rmtree(model_dir / name, ignore_errors=True)
-    for name in (history_lib.HISTORY_FILE, history_lib.LOSS_PLOT):
-        (model_dir / name).unlink(missing_ok=True)
 
 
 def _warn(message):
@@ -262,8 +261,8 @@ def _resume_point(store, run, model_dir, reshard=False):
             reasons = "; ".join(f"{name}: {why}" for name, why in found.skipped)
             raise RunError(
                 f"--resume: no checkpoint in {store.dir} is intact, so there is nothing "
-                f"to resume from ({reasons}). Nothing was changed. Run without --resume to "
-                f"start afresh (this deletes them), or pass another --model_dir.")
+                f"to resume from ({reasons}). Nothing was changed. Start afresh with "
+                f"--overwrite instead of --resume, or pass another --model_dir.")
         for name, why in found.skipped:  # a state file naming checkpoints now gone
             _warn(f"skipped {name}: {why}.")
         print(f"--resume: no checkpoint in {store.dir}; starting from step 0.")
@@ -274,10 +273,14 @@ def _resume_point(store, run, model_dir, reshard=False):
     if reshard:  # the layout may change; what fixes the variables and data may not
         diff = {k: v for k, v in diff.items() if k not in LAYOUT_SETTINGS}
     if diff:
+        layout = [k for k in diff if k in LAYOUT_SETTINGS]
         raise RunError(
             f"--resume: {model_dir} holds a run with other settings "
-            f"({', '.join(f'{k}: {a!r} then, {b!r} now' for k, (a, b) in diff.items())}"
-            f"). Use the same settings, or another --model_dir without --resume.")
+            f"({'; '.join(f'{k}: {a!r} then, {b!r} now' for k, (a, b) in diff.items())}"
+            f"). Use the same settings"
+            + (f" (or add --reshard to continue at the new {', '.join(layout)}: the run "
+               f"then follows them from here)" if layout and len(layout) == len(diff) else "")
+            + ", or another --model_dir without --resume.")
     for name, why in found.skipped:
         _warn(f"skipped {name}: {why}.")
     aside = [name for name, _ in found.skipped
@@ -289,12 +292,14 @@ def _resume_point(store, run, model_dir, reshard=False):
     return found.step, found.manifest
 
 
-def train(config, callbacks=()):
+def train(config, callbacks=(), stop=None):
     """Trains `config.model` on `config.dataset` as a tfpipe pipeline.
 
-    Call it through `launch.train.train`, which checks `config` and holds the
-    lock on `config.model_dir` while this runs. See that function.
+    Call it through `launch.train.train`, which checks `config`, holds the
+    lock on `config.model_dir` and prepares it, and passes the
+    `launch.signals.StopRequest` (`stop`) while this runs. See that function.
     """
+    stop = stop if stop is not None else signals.StopRequest()
     spec = MODELS[config.model]
     dataset = spec.default_dataset if config.dataset == "auto" else config.dataset
     if importlib.util.find_spec("tensorboard") is None:
@@ -353,8 +358,6 @@ def train(config, callbacks=()):
     resume_step = manifest = None
     if config.resume:
         resume_step, manifest = _resume_point(store, run, model_dir, config.reshard)
-    else:
-        _clear_outputs(model_dir)
 
     strategy = strategy or pipeline_strategy(config, devices)
     if cluster_spec is not None:
@@ -375,16 +378,25 @@ def train(config, callbacks=()):
     if cluster_spec is not None:  # every checkpoint file written by this process, here
         store.options = tf.train.CheckpointOptions(
             experimental_io_device="/job:localhost/replica:0/task:0/device:CPU:0")
-    history = history_lib.RunHistory(history_path, run)
+    history = history_lib.RunHistory(history_path, run,
+                                     changes=[{"step": 0, "learning_rate": config.learning_rate}])
     if resume_step is not None:
         # Into the variables that exist already: values move, devices stay.
         history = history_lib.RunHistory.from_json(
             history_path, store.restore(resume_step, manifest, strict=config.reshard))
         if config.reshard:
-            previous = {k: history.run.get(k) for k in LAYOUT_SETTINGS}
+            changed = [k for k in LAYOUT_SETTINGS if history.run.get(k) != run[k]]
+            previous = {k: history.run.get(k) for k in changed}
             history.run = run  # a later --resume continues at the new layout
             print(f"--reshard: checkpoint written at {previous}, continuing at "
-                  f"{ {k: run[k] for k in LAYOUT_SETTINGS} }.")
+                  f"{ {k: run[k] for k in changed} }.")
+        rate = history.learning_rate()
+        if rate != config.learning_rate:
+            history.changes.append({"step": int(step), "learning_rate": config.learning_rate})
+            print(f"--learning_rate: {rate:g} until step {int(step)}, {config.learning_rate:g} "
+                  f"from here (recorded in the history).")
+        # The checkpoint restored the optimizer's rate too: the one asked for now.
+        model.optimizer.learning_rate = config.learning_rate
         history.save()  # the history.json copy now agrees with the checkpoint
         print(f"Resuming from {store.path(resume_step)} (step {int(step)}).")
     start_step = int(step)
@@ -402,7 +414,8 @@ def train(config, callbacks=()):
     board.rebuild(history)  # a resumed run's logs: exactly its restored steps
     variables = list(model.weights) + list(model.optimizer.variables)
     checkpointer = checkpoints.Checkpointer(store, step, config.checkpoint_every,
-                                            steps_per_epoch, history, variables)
+                                            steps_per_epoch, history, variables,
+                                            every_secs=config.checkpoint_every_secs)
     timeline = None
     if config.timeline:
         # One measured step (forward + backward, no update) when fit ends: a
@@ -420,6 +433,7 @@ def train(config, callbacks=()):
         # and puts the epoch's running means into the logs the others see.
         history_lib.StepRecorder(history, order.num_rows_of, start_step, board),
         checkpointer,  # after the StepRecorder: it saves the history that one appends to
+        checkpoints.StopOnRequest(stop, step, steps_per_epoch),  # after the Checkpointer
     ]
     validation = (x_val, y_val)
 
@@ -445,6 +459,13 @@ def train(config, callbacks=()):
         if epoch < config.epochs:
             fit(epoch * steps_per_epoch, total_steps, config.epochs, epoch, last_fit=True)
         checkpointer.save()  # the final state, whatever --checkpoint_every is
+    except checkpoints.StopRequested:
+        if int(step) == start_step and store.latest_step is None:
+            raise Stopped(f"{stop.name} before the first step: nothing to save.",
+                          signals.exit_code(stop.signum)) from None
+        path = checkpointer.save()
+        raise Stopped(f"{stop.name} after step {int(step)}: saved {path}; --resume continues "
+                      f"the run from there.", signals.exit_code(stop.signum)) from None
     except tf.errors.UnavailableError as err:
         if cluster_spec is None:
             raise
@@ -452,19 +473,27 @@ def train(config, callbacks=()):
                 else "No checkpoint had been saved.")
         raise WorkerLost(f"{tfpipe.cluster.describe_unavailable(err, cluster_spec)} {kept}") from None
     except Diverged as err:
+        rate, lower = f"{config.learning_rate:g}", f"{config.learning_rate / 10:g}"
         kept = (f"the newest checkpoint, {store.latest_path}, is the last one saved (its "
-                f"weights are finite) and --resume would continue from it"
-                if store.latest_path else "no checkpoint had been saved")
+                f"weights are finite). Resuming with the same --learning_rate ({rate}) "
+                f"repeats the same steps and diverges again; resume with a lower one: "
+                f"--resume --learning_rate={lower}" if store.latest_path else
+                f"no checkpoint had been saved. Start again with a lower --learning_rate "
+                f"than {rate}: --overwrite --learning_rate={lower}")
         raise Diverged(
             f"training diverged: {err}. Stopped there; nothing non-finite was saved: "
-            f"{kept}. A lower --learning_rate (now {config.learning_rate:g}) may help.",
-            err.step) from None
+            f"{kept}.", err.step) from None
     finally:
         board.close()
 
     history.save()
     plot_path = model_dir / history_lib.LOSS_PLOT
-    history.plot_loss(plot_path)
+    try:
+        history.plot_loss(plot_path)
+    except (OSError, ValueError, RuntimeError) as err:  # the run itself is complete
+        _warn(f"could not write {plot_path} ({type(err).__name__}: {err}); the run, its "
+              f"checkpoint {store.latest_path} and {history_path} are complete.")
+        plot_path = None
     per_epoch = history.per_epoch()
 
     def last(key):
@@ -480,7 +509,7 @@ def train(config, callbacks=()):
         "steps": int(step),
         "start_step": start_step,
         "checkpoint": store.latest_path,
-        "loss_plot": str(plot_path),
+        "loss_plot": None if plot_path is None else str(plot_path),
         "data_kind": data.kind,
         "pipeline_summary": model.pipeline_summary(),
         "timeline": (timeline.paths[-1] if timeline and timeline.paths else None),

@@ -461,3 +461,16 @@ class CheckpointAs:
 def checkpoint_children(trackable):
     """What `tf.train.Checkpoint` saves as `trackable`'s children."""
     return trackable._trackable_children("checkpoint")
+
+
+class EmptyDataLikeKeras:
+    """Mixin for a Keras model under a distribution strategy: Keras' TF
+    trainer then peeks at the first batch to build symbolically
+    (`_maybe_symbolic_build`), which raises a bare StopIteration on empty
+    data; without a strategy Keras runs no step and returns. Do the same."""
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        try:
+            return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+        except StopIteration:
+            return None

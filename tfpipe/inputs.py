@@ -61,12 +61,70 @@ def _keras_batch_size(batch_size, x):
 
 
 def _dataset_batch_size(x):
-    if isinstance(x, tf.data.Dataset):
-        for spec in tf.nest.flatten(x.element_spec):
-            shape = getattr(spec, "shape", None)
-            if shape is not None and shape.rank:
+    """The rows of a Dataset's batches: its static batch dimension, else the
+    rows of its first batch (one element is read; a batch size known only
+    then is checked as the arrays' is). None: not a Dataset, or empty."""
+    if not isinstance(x, tf.data.Dataset):
+        return None
+    for spec in tf.nest.flatten(x.element_spec):
+        shape = getattr(spec, "shape", None)
+        if shape is not None and shape.rank:
+            if shape[0] is not None:
                 return shape[0]
+            break
+    else:
+        return None
+    first = next(iter(x.take(1)), None)
+    for leaf in tf.nest.flatten(first):
+        if getattr(leaf, "shape", None) is not None and leaf.shape.rank:
+            return int(leaf.shape[0])
     return None
+
+
+def check_not_empty_for_predict(x):
+    """Refuses `predict` on no rows (plain Keras fails there with an
+    UnboundLocalError); `fit` and `evaluate` run no step, as Keras does."""
+    if isinstance(x, tf.data.Dataset):
+        empty = int(x.cardinality()) == 0
+    elif x is None or _iterated(x):
+        empty = False
+    else:
+        leaves = [leaf for leaf in tf.nest.flatten(x) if hasattr(leaf, "shape")]
+        empty = bool(leaves) and any(len(leaf.shape) and leaf.shape[0] == 0 for leaf in leaves)
+    if empty:
+        raise ValueError("predict: x has no rows (an empty array or data set), so there is "
+                         "nothing to predict. Pass at least one row.")
+
+
+def _shape_leaves(shapes):
+    """The shapes of a nest of shapes, in `tf.nest.flatten`'s order (dict keys sorted)."""
+    if graph_lib.is_shape(shapes):
+        return [shapes]
+    if isinstance(shapes, dict):
+        return [leaf for key in sorted(shapes) for leaf in _shape_leaves(shapes[key])]
+    return [leaf for item in shapes for leaf in _shape_leaves(item)]
+
+
+def check_batched(x, what, built_shape):
+    """Refuses a Dataset of single examples (not `.batch()`ed) for a model
+    built for `built_shape` (batch dimension first): its feature dimension
+    would be read as the batch."""
+    if not isinstance(x, tf.data.Dataset) or built_shape is None:
+        return
+    spec = x.element_spec
+    features = spec[0] if isinstance(spec, tuple) else spec
+    leaves, shapes = tf.nest.flatten(features), _shape_leaves(built_shape)
+    if len(leaves) != len(shapes):
+        return  # another structure: Keras' own check names it
+    for leaf, built in zip(leaves, shapes):
+        shape = getattr(leaf, "shape", None)
+        if shape is None or shape.rank is None:
+            continue
+        if shape.rank == len(built) - 1:
+            raise ValueError(
+                f"{what}: the tf.data.Dataset yields single examples (x of shape "
+                f"{tuple(shape)}), not batches: the model takes {tuple(built)}, batch "
+                f"dimension first. Batch it: dataset.batch(batch_size).")
 
 
 def check_batch(x, batch_size, what, num_microbatches, num_replicas, static_for=None):

@@ -43,7 +43,7 @@ def _host_device():
 
 
 @keras.saving.register_keras_serializable(package="tfpipe")
-class PipelinedModel(_internal.CheckpointAs, keras.Model):
+class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras.Model):
     """A Keras model whose `stages` run as a pipeline on the strategy's devices.
 
     Args:
@@ -323,6 +323,7 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
                                                 getattr(self, "_built_input_shape", None))
         if what != "predict":
             inputs_lib.check_labels(x, y, what, _internal.compiled_loss(self) is not None)
+        inputs_lib.check_batched(x, what, getattr(self, "_built_input_shape", None))
         self.check_batch_size(x, batch_size, what)
         spec = None if self.built else inputs_lib.input_spec(x)
         if spec is not None:
@@ -344,6 +345,7 @@ class PipelinedModel(_internal.CheckpointAs, keras.Model):
         return super().evaluate(x, y, batch_size, *args, **kwargs)
 
     def predict(self, x, batch_size=None, *args, **kwargs):
+        inputs_lib.check_not_empty_for_predict(x)
         self._check_call(x, None, batch_size, "predict")
         return super().predict(x, batch_size, *args, **kwargs)
 

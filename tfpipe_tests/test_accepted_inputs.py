@@ -78,3 +78,24 @@ def test_mixed_precision_policy_trains_with_float32_variables_on_stage_devices(
         assert stage.compute_dtype == compute
         assert {v.dtype for v in stage.weights} == {"float32"}
         assert placement.misplaced_variables(stage.weights, device) == []
+
+
+@pytest.mark.parametrize("empty", ["arrays", "dataset"])
+def test_no_rows_train_and_evaluate_nothing_as_plain_keras_does(empty):
+    """Plain Keras runs no step on empty data: `fit` returns an empty history,
+    `evaluate` an empty list (under a strategy Keras' own first-batch peek
+    raised a bare StopIteration)."""
+    x, y = helpers.regression_data(n=32)
+    data = (dict(x=x[:0], y=y[:0], batch_size=8) if empty == "arrays" else
+            dict(x=tf.data.Dataset.from_tensor_slices((x, y)).take(0).batch(8)))
+    results = {}
+    for name in ("plain", "pipelined"):
+        model = helpers.reference(helpers.mlp_layers(), (8,))
+        if name == "pipelined":
+            with tfpipe.PipelineStrategy(num_microbatches=2).scope():
+                model = tfpipe.PipelinedModel.from_model(model)
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        before = [w.copy() for w in model.get_weights()]
+        results[name] = (model.fit(verbose=0, **data).history, model.evaluate(verbose=0, **data))
+        assert helpers.max_abs_diff(before, model.get_weights()) == 0.0
+    assert results["pipelined"] == results["plain"] == ({}, [])

@@ -198,6 +198,24 @@ def fit_under_another_strategy():
         model.fit(x, y, batch_size=16, verbose=0)
 
 
+def unbatched_dataset():
+    model = _mlp_model()
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(tf.data.Dataset.from_tensor_slices(helpers.regression_data(n=32)), verbose=0)
+
+
+def dataset_batches_smaller_than_microbatches():
+    # The batch dimension is not static: the first batch's rows are read.
+    model = _mlp_model(m=4)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(tf.data.Dataset.from_tensor_slices(helpers.regression_data(n=32)).batch(2),
+              verbose=0)
+
+
+def predict_on_no_rows():
+    _mlp_model().predict(np.zeros((0, 8), "float32"), verbose=0)
+
+
 def strategy(**kwargs):
     return lambda: tfpipe.PipelineStrategy(**kwargs)
 
@@ -273,6 +291,12 @@ ERRORS = [
      r"\(None, 2, 2\)"),
     ("dict_into_a_single_input_stack", dict_into_a_single_input_stack,
      r"fit: x is a dict \(keys \['features'\]\) but the pipeline takes one input"),
+    ("unbatched_dataset", unbatched_dataset,
+     r"fit: the tf.data.Dataset yields single examples \(x of shape \(8,\)\), not batches: "
+     r"the model takes \(None, 8\), batch dimension first. Batch it: dataset.batch"),
+    ("dataset_batches_smaller_than_m", dataset_batches_smaller_than_microbatches,
+     r"fit: batch size 2 is smaller than num_microbatches=4"),
+    ("predict_on_no_rows", predict_on_no_rows, r"predict: x has no rows"),
     ("fit_under_another_strategy", fit_under_another_strategy,
      r"fit: called under OneDeviceStrategy's scope.*PipelineStrategy"),
 ]

@@ -316,3 +316,6 @@ def test_keras_model_state_the_keras_face_reads():
     assert model.distribute_strategy is strategy
     children = _internal.checkpoint_children(model)
     assert children and all(hasattr(c, "_trackable_children") for c in children.values())
+    # EmptyDataLikeKeras wraps the hook Keras' TF trainer peeks at the first batch in.
+    assert callable(getattr(type(model), "_maybe_symbolic_build", None))
+    assert _internal.EmptyDataLikeKeras._maybe_symbolic_build.__name__ == "_maybe_symbolic_build"

@@ -197,8 +197,8 @@ def _refusal_for_nothing_intact(ckpt):
     return (f"--resume: no checkpoint in {ckpt} is intact, so there is nothing to resume "
             f"from (ckpt-6: {runs.DATA} has {{half6}} bytes, {{size6}} expected (truncated); "
             f"ckpt-3: it has no ckpt-3{checkpoints.MANIFEST}: its write did not finish (or "
-            f"an older launch.train wrote it)). Nothing was changed. Run without --resume "
-            f"to start afresh (this deletes them), or pass another --model_dir.")
+            f"an older launch.train wrote it)). Nothing was changed. Start afresh with "
+            f"--overwrite instead of --resume, or pass another --model_dir.")
 
 
 REFUSALS = [
@@ -207,12 +207,20 @@ REFUSALS = [
      _refusal_for_nothing_intact),
     ("other_settings", None, {"batch_size": 16, "microbatches": 4},
      lambda ckpt: (f"--resume: {ckpt.parent} holds a run with other settings (batch_size: "
-                   f"32 then, 16 now). Use the same settings, or another --model_dir without "
-                   f"--resume.")),
+                   f"32 then, 16 now; microbatches: 2 then, 4 now). Use the same settings, or "
+                   f"another --model_dir without --resume.")),
     ("other_stages_without_reshard", None, {"stages": 4},
      lambda ckpt: (f"--resume: {ckpt.parent} holds a run with other settings (stages: 2 "
-                   f"then, 4 now). Use the same settings, or another --model_dir without "
-                   f"--resume.")),
+                   f"then, 4 now). Use the same settings (or add --reshard to continue at the "
+                   f"new stages: the run then follows them from here), or another --model_dir "
+                   f"without --resume.")),
+    # M changes the computation (BatchNorm statistics, summation order): recorded
+    # with the run, and refused without --reshard.
+    ("other_microbatches_without_reshard", None, {"microbatches": 4, "schedule": "1f1b"},
+     lambda ckpt: (f"--resume: {ckpt.parent} holds a run with other settings (microbatches: "
+                   f"2 then, 4 now; schedule: 'gpipe' then, '1f1b' now). Use the same settings "
+                   f"(or add --reshard to continue at the new microbatches, schedule: the run "
+                   f"then follows them from here), or another --model_dir without --resume.")),
     ("reshard_to_another_depth", None, {"stages": 4, "depth": 6, "reshard": True},
      lambda ckpt: (f"--resume: {ckpt.parent} holds a run with other settings (depth: 0 "
                    f"then, 6 now). Use the same settings, or another --model_dir without "
@@ -261,8 +269,10 @@ def test_reshard_resumes_at_another_stage_count_like_the_uninterrupted_run(
                                      schedule=schedule))
     out = capsys.readouterr().out
     assert f"Resuming from {model_dir / 'checkpoints'}/ckpt-6 (step 6)." in out
-    assert (f"--reshard: checkpoint written at {{'stages': 2}}, continuing at "
-            f"{{'stages': {stages}}}.") in out
+    then, now = {"stages": 2}, {"stages": stages}
+    if schedule != "gpipe":  # the settings that changed, each named
+        then["schedule"], now["schedule"] = "gpipe", schedule
+    assert f"--reshard: checkpoint written at {then}, continuing at {now}." in out
     assert len(result["model"].stages) == stages
     for ours, theirs in zip(runs.weights(result["model"]), reference["weights"], strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
@@ -322,8 +332,9 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_finite_checkpoint(tmp_
     assert str(err.value) == (
         f"training diverged: the training loss is nan at step 2. Stopped there; nothing "
         f"non-finite was saved: the newest checkpoint, {ckpt}/ckpt-1, is the last one saved "
-        f"(its weights are finite) and --resume would continue from it. A lower "
-        f"--learning_rate (now 1e+09) may help.")
+        f"(its weights are finite). Resuming with the same --learning_rate (1e+09) repeats "
+        f"the same steps and diverges again; resume with a lower one: --resume "
+        f"--learning_rate=1e+08.")
     assert err.value.step == 2 and err.value.exit_code == 3
     assert runs.committed(tmp_path) == [1]
     for name, value in runs.checkpoint_tensors(str(ckpt / "ckpt-1")).items():
@@ -341,8 +352,9 @@ def test_divergence_from_the_command_line_exits_3(tmp_path):
     assert proc.stderr.splitlines()[-1] == (
         f"launch.train: error: training diverged: the training loss is nan at step 2. Stopped "
         f"there; nothing non-finite was saved: the newest checkpoint, {tmp_path}/checkpoints/"
-        f"ckpt-1, is the last one saved (its weights are finite) and --resume would continue "
-        f"from it. A lower --learning_rate (now 1e+09) may help.")
+        f"ckpt-1, is the last one saved (its weights are finite). Resuming with the same "
+        f"--learning_rate (1e+09) repeats the same steps and diverges again; resume with a "
+        f"lower one: --resume --learning_rate=1e+08.")
     assert runs.committed(tmp_path) == [1]
 
 
@@ -373,9 +385,18 @@ def test_non_finite_weights_are_never_saved(tmp_path):
         f"training diverged: after step 3 2 variable(s) hold NaN or infinite values "
         f"({', '.join(poison.names)}), although the loss was finite. Stopped there; nothing "
         f"non-finite was saved: the newest checkpoint, {ckpt}/ckpt-2, is the last one saved "
-        f"(its weights are finite) and --resume would continue from it. A lower "
-        f"--learning_rate (now 0.001) may help.")
+        f"(its weights are finite). Resuming with the same --learning_rate (0.001) repeats "
+        f"the same steps and diverges again; resume with a lower one: --resume "
+        f"--learning_rate=0.0001.")
     assert err.value.step == 3 and runs.committed(tmp_path) == [1, 2]
+    # The advice can be followed: the resume at the lower rate is accepted, runs
+    # at it, and the history records from which step.
+    result = train_lib.train(runs.config(tmp_path, checkpoint_every=1, resume=True,
+                                         learning_rate=1e-4))
+    assert result["start_step"] == 2 and result["steps"] == 10
+    assert float(result["model"].optimizer.learning_rate.numpy()) == pytest.approx(1e-4)
+    assert runs.manifest(tmp_path, 10)["history"]["changes"] == [
+        {"step": 0, "learning_rate": 1e-3}, {"step": 2, "learning_rate": 1e-4}]
 
 
 # -- one run per --model_dir -----------------------------------------------------------

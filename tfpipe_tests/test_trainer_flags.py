@@ -40,7 +40,7 @@ BAD_FLAGS = [
     ("--logical_cpus=0", "flag --logical_cpus=0: must be a positive integer (logical CPU "
                          "devices), got 0"),
     ("--checkpoint_every=-1", "flag --checkpoint_every=-1: must be an integer >= 0 (steps; 0: "
-                              "only at the end), got -1"),
+                              "only at epoch ends and the end), got -1"),
     ("--learning_rate=0", "flag --learning_rate=0.0: must be a finite number > 0, got 0.0"),
     ("--learning_rate=nan", "flag --learning_rate=nan: must be a finite number > 0, got nan"),
     ("--seed=-1", "flag --seed=-1: must be an integer from 0 to 2**32 - 1, got -1"),

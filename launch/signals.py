@@ -1,0 +1,74 @@
+"""SIGTERM, SIGINT and SIGHUP end a run cleanly: the step finishes, a
+checkpoint is saved, one line names it, and the process exits 128 + the
+signal's number (143, 130, 129: what a shell reports for a process ended by
+that signal, so schedulers that restart preempted jobs see one).
+
+Preemptible VMs, cluster schedulers and TPU maintenance send SIGTERM with a
+grace period; people press Ctrl-C (SIGINT); a closed terminal sends SIGHUP.
+The handler only records the signal: the training loop looks at the request
+after each step (`launch.checkpoints.StopOnRequest`), so the save happens
+between steps, never inside one. A second signal while that save runs stops
+at once (`os._exit`): the save commits with its manifest, written last, so
+the newest committed checkpoint is intact either way (`launch.checkpoints`).
+
+Pure Python: `launch.train` installs the handlers before TensorFlow starts.
+
+Why not `tf.distribute.experimental.PreemptionCheckpointHandler` (what Keras'
+`BackupAndRestore(save_before_preemption=True)` uses)? It saves through its
+own `CheckpointManager`, whose files have no manifest and no history, and
+it needs the coordination service of a multi-worker or TPU strategy. Our
+single-client runs (one process, or the client of --cluster) need neither:
+the signal reaches the one process that writes checkpoints.
+"""
+
+import os
+import signal
+import sys
+import threading
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def exit_code(signum):
+    """The exit code of a run stopped by `signum`: 128 + its number."""
+    return 128 + int(signum)
+
+
+class StopRequest:
+    """Records the first of `SIGNALS` while installed (a context manager).
+
+    Attributes:
+      signum: the signal received, or None.
+    """
+
+    def __init__(self):
+        self.signum = None
+        self._previous = {}
+
+    @property
+    def name(self):
+        return None if self.signum is None else signal.Signals(self.signum).name
+
+    def _handle(self, signum, frame):  # pylint: disable=unused-argument
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            print(f"launch.train: {name} again: stopping now, without saving; the newest "
+                  f"committed checkpoint is intact (--resume continues from it).",
+                  file=sys.stderr, flush=True)
+            os._exit(exit_code(signum))  # pylint: disable=protected-access
+        self.signum = signum
+        print(f"launch.train: {name}: finishing this step, then saving a checkpoint "
+              f"(send it again to stop at once).", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        # Signal handlers can only be set from the main thread; elsewhere (a
+        # test runner's thread) the default handling stays.
+        if threading.current_thread() is threading.main_thread():
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
