@@ -7,10 +7,12 @@ Layout under MODEL_DIR/checkpoints, for a checkpoint after N steps:
     ckpt-N.manifest.json                       the commit record (below)
     checkpoint                                 TF's state file, for TF's own tools only
 
-A save writes the TensorFlow files under a unique temporary prefix
+A save writes what the history gained since the last save as a segment
+(`launch.segments`: checkpoints/history/steps-N.json, chained to the one
+before), then the TensorFlow files under a unique temporary prefix
 (`.ckpt-N.tmp-PID-RANDOM`), fsyncs and renames them to `ckpt-N.*`, then writes
-the manifest: the step, the size and SHA-256 of each file, the run's whole
-history up to step N, and a SHA-256 of all that. The manifest is written last
+the manifest: the step, the size and SHA-256 of each file, the run settings,
+the name and SHA-256 of the newest history segment, and a SHA-256 of all that. The manifest is written last
 and atomically (`atomic_write`), so it is the commit: a checkpoint without one
 was interrupted mid-write. Only after the commit are older checkpoints deleted
 (the newest `keep` stay; each loses its manifest first).
@@ -18,7 +20,7 @@ was interrupted mid-write. Only after the commit are older checkpoints deleted
 A restore lists the checkpoints from the files, never from the state file
 (which may be garbled or stale), and takes the newest whose manifest and
 files all match: a truncated or flipped-byte data file, an empty index, a
-missing file or a damaged manifest is skipped with its reason, and the files
+missing file, a damaged manifest or history segment is skipped with its reason, and the files
 of skipped checkpoints are moved to checkpoints/skipped/. If checkpoint files
 exist but none is intact, `--resume` refuses and changes nothing.
 
@@ -34,6 +36,7 @@ import os
 import pathlib
 import re
 import secrets
+import signal
 import time
 
 import keras
@@ -44,12 +47,17 @@ from launch import outputs
 from launch.config import Diverged, RunError
 from launch.files import atomic_write, canonical, fsync_dir, sha256
 
-from launch.outputs import CHECKPOINT_DIR, MANIFEST, SKIPPED_DIR, STATE_FILE  # noqa: F401
+from launch import segments
+from launch.outputs import CHECKPOINT_DIR, HISTORY_SEGMENTS, MANIFEST, SKIPPED_DIR, STATE_FILE  # noqa: F401,E501
 
-FORMAT = 1
+FORMAT = 2  # 2: the history in segments (`launch.segments`)
 KEEP = config_lib.KEEP_CHECKPOINTS
 
 _CKPT_FILE = outputs.CHECKPOINT_FILE
+
+
+def _entries(directory):
+    return list(directory.iterdir()) if directory.is_dir() else []
 
 
 class Damaged(Exception):
@@ -134,14 +142,6 @@ class CheckpointStore:
         if manifest.get("format") != FORMAT or manifest.get("step") != step:
             raise Damaged(f"{name}{MANIFEST} describes format {manifest.get('format')!r}, "
                           f"step {manifest.get('step')!r}")
-        try:
-            recorded = manifest["history"]["steps"]
-            last = recorded[-1]["step"] if recorded else 0
-        except (KeyError, TypeError, IndexError) as err:
-            raise Damaged(f"{name}{MANIFEST} holds no readable history ({type(err).__name__})") \
-                from None
-        if last != step:  # a manifest re-signed by hand, or written by a bug
-            raise Damaged(f"{name}{MANIFEST}'s history ends at step {last}, not at step {step}")
         for file_name, expected in sorted(manifest["files"].items()):
             path = self.dir / file_name
             if not path.exists():
@@ -152,7 +152,19 @@ class CheckpointStore:
                               f"({'truncated' if size < expected['size'] else 'damaged'})")
             if sha256(path) != expected["sha256"]:
                 raise Damaged(f"{file_name} does not match its checksum (damaged)")
-        return manifest
+        try:
+            history = segments.read(self.dir / HISTORY_SEGMENTS, manifest["history"])
+            run = manifest["run"]
+            last = history["steps"][-1]["step"] if history["steps"] else 0
+        except segments.BrokenChain as err:
+            raise Damaged(str(err)) from None
+        except (KeyError, TypeError, IndexError, ValueError) as err:
+            raise Damaged(f"{name}{MANIFEST} holds no readable history ({type(err).__name__})") \
+                from None
+        if last != step:  # a manifest re-signed by hand, or written by a bug
+            raise Damaged(f"{name}{MANIFEST}'s history ends at step {last}, not at step {step}")
+        # The whole history (`RunHistory.to_json`), and the segment it ends in.
+        return dict(manifest, history={"run": run, **history}, history_ref=manifest["history"])
 
     def _state_file_step(self, notes):
         """The step TF's state file names as the newest, noting a garbled file."""
@@ -174,8 +186,11 @@ class CheckpointStore:
         listed = self._state_file_step(notes)
         if listed is not None and listed not in on_disk and (
                 not on_disk or listed > max(on_disk)):
-            skipped.append((f"ckpt-{listed}", f"{self.dir / STATE_FILE} lists it, but its "
-                                              f"files are gone"))
+            aside = any(_CKPT_FILE.fullmatch(p.name) and p.name.startswith(f"ckpt-{listed}.")
+                        for p in _entries(self.dir / SKIPPED_DIR))
+            skipped.append((f"ckpt-{listed}", f"{self.dir / STATE_FILE} lists it, but "
+                            + (f"an earlier resume set it aside in {SKIPPED_DIR}/" if aside
+                               else "its files are gone")))
         for step in sorted(on_disk, reverse=True):
             try:
                 manifest = self.verify(step)
@@ -186,7 +201,8 @@ class CheckpointStore:
         return Found(None, None, skipped, notes, bool(on_disk))
 
     def set_aside(self, names):
-        """Moves the files of the checkpoints `names` (e.g. "ckpt-9") to skipped/."""
+        """Moves the files of the checkpoints `names` (e.g. "ckpt-9") to
+        skipped/, which keeps those of the newest `keep` checkpoints set aside."""
         on_disk = self.files_by_step()
         target = self.dir / SKIPPED_DIR
         for name in names:
@@ -194,6 +210,14 @@ class CheckpointStore:
             for file_name in on_disk.get(step, []):
                 target.mkdir(exist_ok=True)
                 os.replace(self.dir / file_name, target / file_name)
+        aside = {}
+        for entry in _entries(target):
+            match = _CKPT_FILE.fullmatch(entry.name)
+            if match:
+                aside.setdefault(int(match.group(1)), []).append(entry)
+        for step in sorted(aside)[:-self.keep]:
+            for entry in aside[step]:
+                entry.unlink()
         fsync_dir(self.dir)
 
     # -- restore ------------------------------------------------------------------
@@ -222,10 +246,13 @@ class CheckpointStore:
     # -- save ---------------------------------------------------------------------
 
     def save(self, step, history):
-        """Writes checkpoint `step` with `history`, commits it, then rotates."""
+        """Writes checkpoint `step` with what `history` gained since the last
+        save (a segment, `launch.segments`), commits it, then rotates."""
         self.dir.mkdir(parents=True, exist_ok=True)
         name = f"ckpt-{step}"
         self._delete(step)  # leftovers of an interrupted write of this step
+        ref = segments.write(self.dir / HISTORY_SEGMENTS, step, history.tail(),
+                             history.saved_ref)
         tmp = self.dir / f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         self.checkpoint.write(str(tmp), options=self.options)
         files = {}
@@ -236,10 +263,11 @@ class CheckpointStore:
             os.replace(written, final)
             files[final.name] = {"size": final.stat().st_size, "sha256": sha256(final)}
         fsync_dir(self.dir)
-        body = {"format": FORMAT, "step": int(step), "files": files,
-                "history": history.to_json()}
+        body = {"format": FORMAT, "step": int(step), "files": files, "run": history.run,
+                "history": ref}
         manifest = dict(body, sha256=hashlib.sha256(canonical(body).encode()).hexdigest())
         atomic_write(self.dir / (name + MANIFEST), json.dumps(manifest))  # the commit
+        history.mark_saved(ref)
         self.latest_step = int(step)
         self._rotate()
         self._write_state()
@@ -299,14 +327,19 @@ class Checkpointer(keras.callbacks.Callback):
       variables: the variables whose floating-point ones must be finite to be saved.
       every_secs: also save when this many seconds passed since the last save
         (0: not by time).
+      after_save: callables of the step, run after each committed save (the
+        TensorBoard log starts its next file there).
+      before_save: callables run before each save (the run lock's check).
 
     Raises (from fit, or `save`):
       Diverged: a weight is NaN or infinite; nothing is saved.
     """
 
     def __init__(self, store, step, every, steps_per_epoch, history, variables,
-                 every_secs=0.0):
+                 every_secs=0.0, after_save=(), before_save=()):
         super().__init__()
+        self.after_save = list(after_save)  # fn(step) after each committed save
+        self.before_save = list(before_save)  # fn() before each save; raises to refuse it
         self.store, self.step_var = store, step
         self.every, self.steps_per_epoch = int(every), int(steps_per_epoch)
         self.every_secs = float(every_secs)
@@ -331,7 +364,7 @@ class Checkpointer(keras.callbacks.Callback):
             self.save()
 
     def save(self):
-        """Saves a checkpoint numbered by the step (once per step) and history.json."""
+        """Saves a checkpoint numbered by the step (once per step); returns its path."""
         step = int(self.step_var)
         if self.store.latest_step == step:
             return self.store.path(step)
@@ -341,8 +374,11 @@ class Checkpointer(keras.callbacks.Callback):
                 f"after step {step} {len(bad)} variable(s) hold NaN or infinite values "
                 f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}), although the "
                 f"loss was finite", step)
+        for check in self.before_save:
+            check()
         path = self.store.save(step, self.history)
-        self.history.save()
+        for hook in self.after_save:
+            hook(step)
         self._last_save = time.monotonic()
         return path
 
@@ -364,21 +400,51 @@ class StopOnRequest(keras.callbacks.Callback):
       request: the `launch.signals.StopRequest` (its `signum` set by a signal).
       step: the int64 step `tf.Variable` the `Checkpointer` counts.
       steps_per_epoch: steps in one (full) epoch.
+      agree: None, or fn(signum or None) -> the signal any worker of a
+        multi-worker run received (or None), called by every worker at the
+        same points: they all stop after the same step (`agreed_signal`).
     """
 
-    def __init__(self, request, step, steps_per_epoch):
+    def __init__(self, request, step, steps_per_epoch, agree=None):
         super().__init__()
         self.request, self.step_var = request, step
         self.steps_per_epoch = int(steps_per_epoch)
+        self.agree = agree
+
+    def _requested(self):
+        signum = self.request.signum
+        if self.agree is not None:
+            signum = self.agree(signum)
+            if signum is not None and self.request.signum is None:
+                # Another worker's signal: stop as it does, and say so.
+                self.request.signum, self.request.by_another_worker = signum, True
+        return signum is not None
 
     def on_train_begin(self, logs=None):
-        if self.request.signum is not None:
+        if self._requested():
             raise StopRequested()
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.request.signum is not None and int(self.step_var) % self.steps_per_epoch:
+        if int(self.step_var) % self.steps_per_epoch and self._requested():
             raise StopRequested()
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.request.signum is not None:
+        if self._requested():
             raise StopRequested()
+
+
+def agreed_signal(strategy):
+    """For a multi-worker `strategy`: fn(signum or None) -> whether any worker
+    received a signal, as a signal number (its own, else SIGTERM's), or None.
+    One small collective all-reduce, which every worker runs at the same
+    point of the same program, so all of them stop after the same step."""
+    @tf.function
+    def count(flag):  # traced once: eager strategy.run would warn at every step
+        flags = strategy.run(lambda: tf.identity(flag))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, flags, axis=None)
+
+    def agree(signum):
+        if int(count(tf.constant(1 if signum else 0, tf.int32))) == 0:
+            return None
+        return signum or int(signal.SIGTERM)
+    return agree

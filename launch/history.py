@@ -2,10 +2,14 @@
 and what is made from it (loss plot, TensorBoard scalars, Keras' epoch logs).
 
 The history (`RunHistory`: every step's own loss and metrics, every epoch's
-validation metrics, the run's settings) is restored from the manifest of the
-checkpoint itself, so the two cannot disagree, and the settings check of a
-resume never depends on another file. MODEL_DIR/history.json is a copy for
-people and plots, rewritten with every checkpoint; it is never read back.
+validation metrics, the learning rates, the run's settings) is restored from
+the checkpoint itself (its manifest and history segments, `launch.segments`),
+so the two cannot disagree, and the settings check of a resume never
+depends on another file. MODEL_DIR/history.json is a copy for people and
+plots, written when the run ends, stops on a signal or diverges; it is never
+read back. Nothing here costs more per save as the run grows: a save writes
+the steps since the last one, TensorBoard files are trimmed, not rewritten,
+at a resume (`benchmarks/run_costs.py`).
 
 Keras reports at each batch the running mean of the loss and metrics since
 the epoch began. `StepRecorder` resets the metrics after every batch, so what
@@ -21,13 +25,16 @@ finite state.
 import bisect
 import json
 import math
+import os
 import pathlib
-import shutil
+import re
+import struct
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from launch import segments
 from launch.config import Diverged
 from launch.files import atomic_write
 
@@ -53,15 +60,32 @@ class RunHistory:
         self.steps = list(steps or [])
         self.epochs = list(epochs or [])
         self.changes = list(changes or [])
+        # The newest checkpoint's history segment, and how much of each list
+        # it holds: the next save writes only the rest (`launch.segments`).
+        self.saved_ref = None
+        self._saved = {key: 0 for key in segments.KEYS}
 
     def to_json(self):
         return {"run": self.run, "steps": self.steps, "epochs": self.epochs,
                 "changes": self.changes}
 
     @classmethod
-    def from_json(cls, path, saved):
-        return cls(path, saved["run"], saved["steps"], saved["epochs"],
-                   saved.get("changes"))
+    def from_json(cls, path, saved, saved_ref=None):
+        """From `to_json`'s dict; `saved_ref`: the segment it was read from."""
+        history = cls(path, saved["run"], saved["steps"], saved["epochs"],
+                      saved.get("changes"))
+        if saved_ref is not None:
+            history.mark_saved(saved_ref)
+        return history
+
+    def tail(self):
+        """What the history gained since the last `mark_saved` (a segment's lists)."""
+        return {key: getattr(self, key)[self._saved[key]:] for key in segments.KEYS}
+
+    def mark_saved(self, ref):
+        """Records that a checkpoint's segment `ref` now holds all of the history."""
+        self.saved_ref = ref
+        self._saved = {key: len(getattr(self, key)) for key in segments.KEYS}
 
     def learning_rate(self):
         """The learning rate of the newest step (None if never recorded)."""
@@ -122,8 +146,12 @@ class RunHistory:
         FigureCanvasAgg(fig)
         ax = fig.add_subplot(1, 1, 1)
         if self.steps:
-            ax.plot([s["step"] for s in self.steps], [s["loss"] for s in self.steps],
-                    color="tab:blue", alpha=0.35, linewidth=1, label="train loss (step)")
+            # At most ~4 points per pixel column: a long run's plot costs what a short one's does.
+            stride = max(1, len(self.steps) // 4000)
+            shown = self.steps[::stride]
+            ax.plot([s["step"] for s in shown], [s["loss"] for s in shown],
+                    color="tab:blue", alpha=0.35, linewidth=1,
+                    label="train loss (step)" + (f", every {stride}th" if stride > 1 else ""))
             epochs = self.per_epoch()
             middles = [(e - 0.5) * self.run["steps_per_epoch"]
                        for e in range(1, len(epochs.get("loss", [])) + 1)]
@@ -144,36 +172,59 @@ class RunHistory:
 
 
 class TensorBoardLog:
-    """The run's TensorBoard scalars, a function of its history.
+    """The run's TensorBoard scalars, written as the steps are recorded.
 
     Runs under MODEL_DIR/tensorboard: `steps` ("step/loss", ... for every
     step), `train` and `validation` ("epoch_loss", ... at each epoch's last
-    step). `rebuild` rewrites all three from a history, so a resumed run holds
-    each step once, whatever an interrupted run had written.
+    step). Event files are named with their first step
+    (`...from-0000000007.v2`) and a save moves on to new files once the
+    current ones hold `steps_per_file` steps (`rotate`). A resume from step S
+    (`resume`) deletes the files that start after S and drops the records
+    after S from the one file that may hold some: TensorBoard shows each step
+    once, and a resume rewrites at most `steps_per_file` + one save interval
+    of steps, never the whole run's logs.
     """
 
     RUNS = ("steps", "train", "validation")
+    _FROM = re.compile(r"\.from-([0-9]+)\.v2$")
 
-    def __init__(self, directory):
+    def __init__(self, directory, steps_per_file=10_000):
         self.dir = pathlib.Path(directory)
+        self.steps_per_file = int(steps_per_file)
         self._writers = {}
+        self.first_step = 1  # the step the current files start at
 
-    def rebuild(self, history):
+    def resume(self, step):
+        """Continues after checkpoint `step`: the logs of later steps go."""
         self.close()
         for run in self.RUNS:
-            shutil.rmtree(self.dir / run, ignore_errors=True)
-        means = history.per_epoch()
-        for entry in history.steps:
-            self.step(entry)
-        for entry in history.epochs:
-            train = {k: v[entry["epoch"] - 1] for k, v in means.items()
-                     if not k.startswith("val_") and len(v) >= entry["epoch"]}
-            self.epoch(entry, train)
-        self.flush()
+            files = {}
+            folder = self.dir / run
+            for entry in (folder.iterdir() if folder.is_dir() else ()):
+                match = self._FROM.search(entry.name)
+                if match:
+                    files[entry] = int(match.group(1))
+            for entry, first in files.items():
+                if first > step:
+                    entry.unlink()
+            kept = [entry for entry, first in files.items() if first <= step]
+            if kept:
+                _drop_records_after(max(kept, key=files.get), step)
+        self.first_step = step + 1
+
+    def rotate(self, step):
+        """After the save at `step`: flushes, and once the files hold
+        `steps_per_file` steps, later records go to new ones."""
+        if step - self.first_step + 1 >= self.steps_per_file:
+            self.close()
+            self.first_step = step + 1
+        else:
+            self.flush()
 
     def _writer(self, run):
         if run not in self._writers:
-            self._writers[run] = tf.summary.create_file_writer(str(self.dir / run))
+            self._writers[run] = tf.summary.create_file_writer(
+                str(self.dir / run), filename_suffix=f".from-{self.first_step:010d}.v2")
         return self._writers[run]
 
     def step(self, entry):
@@ -199,6 +250,25 @@ class TensorBoardLog:
         for writer in self._writers.values():
             writer.close()
         self._writers = {}
+
+
+def _drop_records_after(path, step):
+    """Cuts the event file `path` before its first record of a step after
+    `step` (records are written in step order, so the rest goes too), or
+    before a record torn by a kill. TFRecord framing: an 8-byte length, a
+    4-byte CRC, the data, a 4-byte CRC."""
+    data = path.read_bytes()
+    pos = 0
+    while pos + 12 <= len(data):
+        (length,) = struct.unpack_from("<Q", data, pos)
+        end = pos + 12 + length + 4
+        if end > len(data):
+            break  # torn
+        if tf.compat.v1.Event.FromString(data[pos + 12:pos + 12 + length]).step > step:
+            break
+        pos = end
+    if pos < len(data):
+        os.truncate(path, pos)
 
 
 class StepRecorder(keras.callbacks.Callback):

@@ -3,6 +3,7 @@
     checkpoints/ckpt-N.*            the files ckpt-N.manifest.json names, and it
     checkpoints/checkpoint          TensorFlow's state file, naming only those
     checkpoints/skipped/ckpt-N.*    damaged checkpoints a resume set aside
+    checkpoints/history/steps-N.json  the history, a segment per save (`launch.segments`)
     history.json, loss.png          the history's copy and its plot
     tensorboard/{steps,train,validation,pipeline}/events.out.tfevents.*
     timeline/timeline_epochE.{json,png}
@@ -22,6 +23,7 @@ import re
 CHECKPOINT_DIR = "checkpoints"
 STATE_FILE = "checkpoint"  # TensorFlow's CheckpointManager state file name
 SKIPPED_DIR = "skipped"
+HISTORY_SEGMENTS = "history"  # under checkpoints/
 MANIFEST = ".manifest.json"
 HISTORY_FILE = "history.json"
 LOSS_PLOT = "loss.png"
@@ -37,6 +39,7 @@ FILES = (HISTORY_FILE, LOSS_PLOT)
 CHECKPOINT_FILE = re.compile(r"ckpt-([0-9]+)(\..+)$")
 _MANIFEST_FILE = re.compile(r"ckpt-([0-9]+)" + re.escape(MANIFEST))
 _TIMELINE_FILE = re.compile(r"timeline_epoch[0-9]+\.(json|png)")
+_SEGMENT_FILE = re.compile(r"steps-[0-9]+\.json")
 _STATE_ENTRY = re.compile(r'^(?:all_)?model_checkpoint_paths?: "(ckpt-[0-9]+)"$')
 
 
@@ -99,6 +102,8 @@ def find(model_dir):
         found.append(state)
     found += [p for p in sorted(_entries(ckpt / SKIPPED_DIR))
               if p.is_file() and CHECKPOINT_FILE.fullmatch(p.name)]
+    found += [p for p in sorted(_entries(ckpt / HISTORY_SEGMENTS))
+              if p.is_file() and _SEGMENT_FILE.fullmatch(p.name)]
     history = model_dir / HISTORY_FILE
     if history.is_file() and _is_history(history):
         found.append(history)
@@ -161,7 +166,8 @@ def remove(model_dir):
     paths = sorted(find(model_dir), key=lambda p: not p.name.endswith(MANIFEST))
     for path in paths:
         path.unlink(missing_ok=True)
-    empty = [model_dir / CHECKPOINT_DIR / SKIPPED_DIR, model_dir / CHECKPOINT_DIR,
+    empty = [model_dir / CHECKPOINT_DIR / SKIPPED_DIR,
+             model_dir / CHECKPOINT_DIR / HISTORY_SEGMENTS, model_dir / CHECKPOINT_DIR,
              *[model_dir / TENSORBOARD_DIR / r for r in TENSORBOARD_RUNS],
              model_dir / TENSORBOARD_DIR, model_dir / TIMELINE_DIR]
     for directory in empty:

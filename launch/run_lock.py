@@ -75,6 +75,24 @@ class RunLock:
         self._fd = fd
         return self
 
+    def check(self):
+        """Raises `RunError` if the lock file was deleted or replaced while
+        this run held it: a later run may then hold a lock of its own on the
+        new file and write here too. `launch.train` checks before each save."""
+        if self._fd is None:
+            return
+        mine = os.fstat(self._fd)
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            now = None
+        if now is None or (now.st_ino, now.st_dev) != (mine.st_ino, mine.st_dev):
+            raise RunError(
+                f"--model_dir={self.model_dir}: its lock file {self.path} was deleted or "
+                f"replaced during this run, so another run may be writing there too. "
+                f"Stopped before saving; the newest committed checkpoint is intact. Make "
+                f"sure one run uses the directory, then --resume.")
+
     def release(self):
         if self._fd is None:
             return

@@ -13,12 +13,19 @@ the newest committed checkpoint is intact either way (`launch.checkpoints`).
 
 Pure Python: `launch.train` installs the handlers before TensorFlow starts.
 
+With --replicas=tf_config every worker process checks after each step, by
+one small all-reduce, whether any of them received a signal
+(`launch.checkpoints.agreed_signal`): all stop after the same step, each
+saving its own --model_dir, so they resume together.
+
 Why not `tf.distribute.experimental.PreemptionCheckpointHandler` (what Keras'
 `BackupAndRestore(save_before_preemption=True)` uses)? It saves through its
 own `CheckpointManager`, whose files have no manifest and no history, and
-it needs the coordination service of a multi-worker or TPU strategy. Our
-single-client runs (one process, or the client of --cluster) need neither:
-the signal reaches the one process that writes checkpoints.
+its agreement runs on the coordination service of a multi-worker or TPU
+strategy. Our single-client runs (one process, or the client of --cluster)
+need no agreement: the signal reaches the one process that writes
+checkpoints; the tf_config workers agree with the all-reduce above, inside
+the step order Keras already runs.
 """
 
 import os
@@ -43,11 +50,15 @@ class StopRequest:
 
     def __init__(self):
         self.signum = None
+        self.by_another_worker = False  # set when a multi-worker run agreed on another's
         self._previous = {}
 
     @property
     def name(self):
-        return None if self.signum is None else signal.Signals(self.signum).name
+        if self.signum is None:
+            return None
+        name = signal.Signals(self.signum).name
+        return f"{name} (to another worker)" if self.by_another_worker else name
 
     def _handle(self, signum, frame):  # pylint: disable=unused-argument
         name = signal.Signals(signum).name
@@ -60,12 +71,18 @@ class StopRequest:
         print(f"launch.train: {name}: finishing this step, then saving a checkpoint "
               f"(send it again to stop at once).", file=sys.stderr, flush=True)
 
-    def __enter__(self):
+    def install(self):
+        """Makes the handlers current; again after TensorFlow set its own (a
+        multi-worker strategy's coordination service takes SIGTERM)."""
         # Signal handlers can only be set from the main thread; elsewhere (a
         # test runner's thread) the default handling stays.
         if threading.current_thread() is threading.main_thread():
             for signum in SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+                previous = signal.signal(signum, self._handle)
+                self._previous.setdefault(signum, previous)
+
+    def __enter__(self):
+        self.install()
         return self
 
     def __exit__(self, *exc):

@@ -119,7 +119,7 @@ def train(config, callbacks=()):
         with quiet_start_up():
             from launch import trainer  # pylint: disable=import-outside-toplevel
 
-        return trainer.train(config, callbacks, stop)
+        return trainer.train(config, callbacks, stop, before_save=lock.check)
 
 
 def _prepare_model_dir(config):

@@ -14,6 +14,7 @@ Data flow of one run:
               -> TensorBoard rebuilt from the history -> fit from that step
 """
 
+import contextlib
 import dataclasses
 import importlib.util
 import pathlib
@@ -28,6 +29,8 @@ import tensorflow as tf
 import tfpipe
 from launch import checkpoints
 from launch import files
+from launch import outputs
+from launch import segments
 from launch import history as history_lib
 from launch import config as config_lib
 from launch import data as data_lib
@@ -292,12 +295,13 @@ def _resume_point(store, run, model_dir, reshard=False):
     return found.step, found.manifest
 
 
-def train(config, callbacks=(), stop=None):
+def train(config, callbacks=(), stop=None, before_save=None):
     """Trains `config.model` on `config.dataset` as a tfpipe pipeline.
 
     Call it through `launch.train.train`, which checks `config`, holds the
     lock on `config.model_dir` and prepares it, and passes the
-    `launch.signals.StopRequest` (`stop`) while this runs. See that function.
+    `launch.signals.StopRequest` (`stop`) and the lock's check (`before_save`,
+    run before each checkpoint) while this runs. See that function.
     """
     stop = stop if stop is not None else signals.StopRequest()
     spec = MODELS[config.model]
@@ -360,6 +364,7 @@ def train(config, callbacks=(), stop=None):
         resume_step, manifest = _resume_point(store, run, model_dir, config.reshard)
 
     strategy = strategy or pipeline_strategy(config, devices)
+    stop.install()  # a multi-worker strategy's coordination service took SIGTERM
     if cluster_spec is not None:
         _print_stage_devices(config, strategy, cluster_spec, pids)
     with strategy.scope():
@@ -383,7 +388,10 @@ def train(config, callbacks=(), stop=None):
     if resume_step is not None:
         # Into the variables that exist already: values move, devices stay.
         history = history_lib.RunHistory.from_json(
-            history_path, store.restore(resume_step, manifest, strict=config.reshard))
+            history_path, store.restore(resume_step, manifest, strict=config.reshard),
+            saved_ref=manifest["history_ref"])
+        # Segments past the checkpoint belong to checkpoints the resume skipped.
+        segments.prune_after(store.dir / outputs.HISTORY_SEGMENTS, resume_step)
         if config.reshard:
             changed = [k for k in LAYOUT_SETTINGS if history.run.get(k) != run[k]]
             previous = {k: history.run.get(k) for k in changed}
@@ -397,7 +405,6 @@ def train(config, callbacks=(), stop=None):
                   f"from here (recorded in the history).")
         # The checkpoint restored the optimizer's rate too: the one asked for now.
         model.optimizer.learning_rate = config.learning_rate
-        history.save()  # the history.json copy now agrees with the checkpoint
         print(f"Resuming from {store.path(resume_step)} (step {int(step)}).")
     start_step = int(step)
     if start_step >= total_steps and config.resume and start_step:
@@ -411,11 +418,13 @@ def train(config, callbacks=(), stop=None):
         print(tfpipe.plan(model, config.batch_size, config.microbatches, repeats=1), flush=True)
     timer = StepTimer()
     board = history_lib.TensorBoardLog(model_dir / history_lib.TENSORBOARD_DIR)
-    board.rebuild(history)  # a resumed run's logs: exactly its restored steps
+    board.resume(start_step)  # drops only the logs of steps after the checkpoint
     variables = list(model.weights) + list(model.optimizer.variables)
     checkpointer = checkpoints.Checkpointer(store, step, config.checkpoint_every,
                                             steps_per_epoch, history, variables,
-                                            every_secs=config.checkpoint_every_secs)
+                                            every_secs=config.checkpoint_every_secs,
+                                            after_save=[board.rotate],
+                                            before_save=[before_save] if before_save else [])
     timeline = None
     if config.timeline:
         # One measured step (forward + backward, no update) when fit ends: a
@@ -433,7 +442,10 @@ def train(config, callbacks=(), stop=None):
         # and puts the epoch's running means into the logs the others see.
         history_lib.StepRecorder(history, order.num_rows_of, start_step, board),
         checkpointer,  # after the StepRecorder: it saves the history that one appends to
-        checkpoints.StopOnRequest(stop, step, steps_per_epoch),  # after the Checkpointer
+        checkpoints.StopOnRequest(  # after the Checkpointer
+            stop, step, steps_per_epoch,
+            agree=(checkpoints.agreed_signal(strategy) if config.replicas == "tf_config"
+                   else None)),
     ]
     validation = (x_val, y_val)
 
@@ -464,6 +476,7 @@ def train(config, callbacks=(), stop=None):
             raise Stopped(f"{stop.name} before the first step: nothing to save.",
                           signals.exit_code(stop.signum)) from None
         path = checkpointer.save()
+        history.save()
         raise Stopped(f"{stop.name} after step {int(step)}: saved {path}; --resume continues "
                       f"the run from there.", signals.exit_code(stop.signum)) from None
     except tf.errors.UnavailableError as err:
@@ -473,6 +486,8 @@ def train(config, callbacks=(), stop=None):
                 else "No checkpoint had been saved.")
         raise WorkerLost(f"{tfpipe.cluster.describe_unavailable(err, cluster_spec)} {kept}") from None
     except Diverged as err:
+        with contextlib.suppress(OSError):
+            history.save()  # the copy for people, up to the last finite step
         rate, lower = f"{config.learning_rate:g}", f"{config.learning_rate / 10:g}"
         kept = (f"the newest checkpoint, {store.latest_path}, is the last one saved (its "
                 f"weights are finite). Resuming with the same --learning_rate ({rate}) "

@@ -458,3 +458,32 @@ def test_inputs_keras_cannot_split_over_replicas_are_refused(make_x, kind):
     assert str(err.value).startswith(
         f"predict: an input is {kind}, which Keras cannot split over the strategy's "
         f"num_replicas=2 data-parallel replicas. Use one replica (num_replicas=1)")
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_worker_stops_every_worker_after_the_same_step(tmp_path, trainer_runs):
+    """SIGTERM reaches worker 0 only (after its step 3); by one all-reduce per
+    step both workers agree, each saves ckpt-3 and exits 143; resumed
+    together, they finish as the uninterrupted single-process run."""
+    from tfpipe import cluster as cluster_lib
+    from tfpipe_tests.test_trainer_stops import _MAIN_SIGNALLED_AT
+    ports = cluster_lib._free_ports(2)  # pylint: disable=protected-access
+    flags_ = [*_TRAIN[2:], "--replicas=tf_config"]
+    stopped = _run_workers(
+        lambda i: [*(["-c", _MAIN_SIGNALLED_AT] if i == 0 else _TRAIN[:2]), *flags_,
+                   f"--model_dir={tmp_path}/w{i}"], ports, {"SIGNAL_AT": "step:3:SIGTERM"})
+    for index, (code, _, err) in enumerate(stopped):
+        assert code == 143, err[-3000:]
+        sig = "SIGTERM" if index == 0 else "SIGTERM (to another worker)"
+        assert err.splitlines()[-1] == (
+            f"launch.train: stopped: {sig} after step 3: saved {tmp_path}/w{index}/"
+            f"checkpoints/ckpt-3; --resume continues the run from there.")
+    ports = cluster_lib._free_ports(2)  # pylint: disable=protected-access
+    resumed = _run_workers(
+        lambda i: [*_TRAIN, "--replicas=tf_config", "--resume", f"--model_dir={tmp_path}/w{i}"],
+        ports)
+    full = json.loads((trainer_runs / "full" / "history.json").read_text())
+    for index, (code, out, err) in enumerate(resumed):
+        assert code == 0, err[-3000:]
+        assert "Resuming from" in out
+        _assert_same_steps(_steps(tmp_path / f"w{index}"), full["steps"][:6])

@@ -15,6 +15,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from launch import data as data_lib
+from launch import checkpoints
 from launch import train as train_lib
 from tfpipe import placement
 
@@ -239,7 +240,8 @@ def test_interrupted_run_resumes_exactly(tmp_path):
     full = train_lib.train(_config(tmp_path / "full", **settings))
     with pytest.raises(_Preempted):
         train_lib.train(_config(tmp_path / "cut", **settings), callbacks=[_Crash(at=5)])
-    assert json.loads((tmp_path / "cut" / "history.json").read_text())["steps"][-1]["step"] == 3
+    newest = checkpoints.CheckpointStore(tmp_path / "cut" / "checkpoints", None).find()
+    assert newest.step == 3 and newest.manifest["history"]["steps"][-1]["step"] == 3
     resumed = train_lib.train(_config(tmp_path / "cut", resume=True, **settings))
 
     assert resumed["start_step"] == 3 and resumed["steps"] == full["steps"] == 8

@@ -28,6 +28,7 @@ import tensorflow as tf
 from launch import checkpoints
 from launch import config as config_lib
 from launch import run_lock
+from launch import segments
 from launch import train as train_lib
 from tfpipe_tests import helpers
 
@@ -80,9 +81,16 @@ def _write(name, text):
 
 
 def _change_a_loss(ckpt_dir):
+    path = ckpt_dir / "history" / segments.name(6)
+    segment = json.loads(path.read_text())
+    segment["steps"][1]["loss"] += 1e-9  # still valid JSON, one digit off
+    path.write_text(json.dumps(segment))
+
+
+def _change_a_setting(ckpt_dir):
     path = ckpt_dir / f"ckpt-6{checkpoints.MANIFEST}"
     manifest = json.loads(path.read_text())
-    manifest["history"]["steps"][2]["loss"] += 1e-9  # still valid JSON, one digit off
+    manifest["run"]["seed"] = 1  # still valid JSON, the run's settings off
     path.write_text(json.dumps(manifest))
 
 
@@ -117,8 +125,12 @@ RESUMES = [
     ("data_deleted", _delete(runs.DATA), 3, _skipped(f"{runs.DATA} is missing")),
     ("manifest_truncated", _truncate(f"ckpt-6{checkpoints.MANIFEST}"), 3,
      _skipped(f"ckpt-6{checkpoints.MANIFEST} is unreadable (JSONDecodeError: {{json_error}})")),
-    ("history_in_manifest_changed", _change_a_loss, 3,
+    ("manifest_changed", _change_a_setting, 3,
      _skipped(f"ckpt-6{checkpoints.MANIFEST} does not match its own checksum (damaged)")),
+    # ckpt-6's chain runs through it; ckpt-3's ends before it.
+    ("history_segment_changed", _change_a_loss, 3,
+     _skipped(f"its history segment {segments.name(6)} does not match its checksum "
+              f"(damaged)")),
     ("write_not_committed", _delete(f"ckpt-6{checkpoints.MANIFEST}"), 3,
      _skipped(f"it has no ckpt-6{checkpoints.MANIFEST}: its write did not finish (or an "
               f"older launch.train wrote it)")),
@@ -133,7 +145,8 @@ RESUMES = [
      6, []),
     ("history_json_truncated", lambda d: (d.parent / "history.json").write_text('{"run": {'),
      6, []),
-    ("history_json_deleted", lambda d: (d.parent / "history.json").unlink(), 6, []),
+    ("history_json_deleted", lambda d: (d.parent / "history.json").unlink(missing_ok=True), 6,
+     []),
     ("temporary_files_left", _leftovers, 6, []),
     ("lock_left_by_a_killed_run", _stale_lock, 6,
      ["launch.train: warning: taking over --model_dir={dir} from a run that ended without "
@@ -143,7 +156,7 @@ RESUMES = [
 
 # The default suite runs one damage of each kind of file (CI's slow step runs all).
 DEFAULT_RESUMES = ("intact", "data_byte_flipped", "index_emptied", "manifest_truncated",
-                   "history_in_manifest_changed", "state_file_garbled", "write_not_committed",
+                   "history_segment_changed", "state_file_garbled", "write_not_committed",
                    "lock_left_by_a_killed_run")
 assert set(DEFAULT_RESUMES) <= {r[0] for r in RESUMES}, DEFAULT_RESUMES
 
@@ -478,12 +491,12 @@ _NOT_COMMITTED = [
     "launch.train: warning: moved the files of ckpt-6 to {ckpt}/skipped."]
 KILL_POINTS = [
     # (where, committed after the kill, warnings of the resume). The saves are after
-    # steps 3, 6, 9 and 10; each renames data, index, manifest, state file, history.json.
+    # steps 3, 6, 9 and 10; each renames its history segment, data, index, manifest, state file.
     ("replace:ckpt-6.data-00000-of-00001:1", [3], []),  # TF's files under their temp name
     ("replace:ckpt-6.index:1", [3], _NOT_COMMITTED),  # the data file renamed, not the index
     ("replace:ckpt-6.manifest.json:1", [3], _NOT_COMMITTED),  # both renamed, no commit
     ("replace:checkpoint:2", [3, 6], []),  # committed; TF's state file still names ckpt-3
-    ("replace:history.json:2", [3, 6], []),  # committed; history.json still at step 3
+    ("replace:steps-0000000006.json:1", [3], []),  # ckpt-6's history segment, written first
     ("unlink:ckpt-3.index:1", [6, 9, 10], []),  # rotation after ckpt-10: ckpt-3 half deleted
 ]
 

@@ -75,8 +75,10 @@ def checkpoint_tensors(prefix):
 
 
 def manifest(model_dir, step):
-    path = pathlib.Path(model_dir) / "checkpoints" / f"ckpt-{step}{checkpoints.MANIFEST}"
-    return json.loads(path.read_text())
+    """Checkpoint `step`'s manifest, verified, with its whole history read
+    from the history segments (`CheckpointStore.verify`)."""
+    store = checkpoints.CheckpointStore(pathlib.Path(model_dir) / "checkpoints", None)
+    return store.verify(step)
 
 
 def committed(model_dir):
@@ -86,14 +88,15 @@ def committed(model_dir):
 
 
 def step_scalars(model_dir):
-    """[(step, tag, value)] of the per-step TensorBoard run, in file order."""
+    """[(step, tag, value)] of the per-step TensorBoard run, sorted as
+    TensorBoard shows them (by step; a step written twice appears twice)."""
     out = []
     for path in sorted((pathlib.Path(model_dir) / "tensorboard" / "steps").glob("events.*")):
         for record in tf.data.TFRecordDataset(str(path)):
             event = tf.compat.v1.Event.FromString(record.numpy())
             for value in event.summary.value:
                 out.append((event.step, value.tag, float(tf.make_ndarray(value.tensor))))
-    return out
+    return sorted(out)
 
 
 def tree(directory):
