@@ -1,8 +1,14 @@
 """tfpipe: GPipe-style pipeline-parallel training for TensorFlow 2 / Keras 3.
 
-What installs what:
+What installs what (TensorFlow comes with the extra that fits the machine, as
+JAX's `jax[cpu]` / `jax[cuda12]` do, so no machine gets a TensorFlow beside
+another):
 
-    pip install .            the library `tfpipe` only: TensorFlow, Keras, absl-py
+    pip install '.[cpu]'      the library `tfpipe` with tensorflow-cpu, Keras, absl-py
+    pip install '.[and-cuda]' the same with tensorflow[and-cuda] (NVIDIA GPUs)
+    pip install '.[tpu]'      the same with tensorflow-tpu (a Cloud TPU VM; add
+                              -f https://storage.googleapis.com/libtpu-releases/index.html)
+    pip install .             Keras and absl-py only: for a TensorFlow installed first
     pip install '.[plot]'    + matplotlib, for `tfpipe.profile` Gantt charts
     pip install '.[train]'   + what `launch/` (the trainer) and `benchmarks/` import:
                              TensorBoard, TensorFlow Datasets, scikit-learn, matplotlib
@@ -13,16 +19,19 @@ are folders of the repository, run from its root (`python -m launch.train`);
 they are not installed, so no generic top-level `models` or `launch` lands in
 site-packages.
 
-TensorFlow is declared as `tensorflow-cpu` (what CI and the CPU machines use).
-On a GPU or TPU machine set TFPIPE_TENSORFLOW (e.g. 'tensorflow[and-cuda]==2.21.*')
-or install TensorFlow first, then `pip install --no-deps -e .` — see BUILD.md.
+The README's commands install '.[cpu,test]'; BUILD.md has the GPU and TPU ones.
 """
 
 import os
 
 from setuptools import find_packages, setup
 
-TF = os.environ.get("TFPIPE_TENSORFLOW", "tensorflow-cpu==2.21.*")
+TF_VERSION = "2.21.*"
+TENSORFLOW = {  # extra -> the TensorFlow package for that machine
+    "cpu": f"tensorflow-cpu=={TF_VERSION}",
+    "and-cuda": f"tensorflow[and-cuda]=={TF_VERSION}",
+    "tpu": f"tensorflow-tpu=={TF_VERSION}",
+}
 
 PLOT = ["matplotlib"]
 TRAIN = [
@@ -45,8 +54,9 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tfpipe", "tfpipe.*"]),  # not models/, launch/, benchmarks/
     python_requires=">=3.10",
-    install_requires=[TF, "keras>=3.15,<4", "absl-py"],
+    install_requires=["keras>=3.15,<4", "absl-py"],
     extras_require={
+        **{extra: [package] for extra, package in TENSORFLOW.items()},
         "plot": PLOT,
         "train": TRAIN,
         "test": [*TRAIN, "pytest", "pytest-xdist", *KERAS_HUB_DEPS],

@@ -53,7 +53,7 @@ def _devices(cpu_dry_run, memory_limit_mib):
     gpus = tf.config.list_physical_devices("GPU")
     if not gpus:
         return None, ("no GPU visible to TensorFlow; run on a machine with an NVIDIA GPU and "
-                      "a CUDA build of TensorFlow (pip install 'tensorflow[and-cuda]'), or "
+                      "a CUDA build of TensorFlow (pip install -e '.[and-cuda,test]'), or "
                       "pass --cpu_dry_run")
     tf.config.set_logical_device_configuration(
         gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mib)

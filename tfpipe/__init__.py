@@ -28,13 +28,27 @@ _PUBLIC_MODULES = ("config", "schedules", "profile", "watchdog", "cluster", "tes
 __all__ = sorted(_PUBLIC) + list(_PUBLIC_MODULES) + ["__version__"]
 
 
+_NO_TENSORFLOW = ("tfpipe needs TensorFlow, which is not installed. Install the extra for "
+                  "this machine: pip install 'tfpipe[cpu]' (CPU), 'tfpipe[and-cuda]' "
+                  "(NVIDIA GPU) or 'tfpipe[tpu]' (Cloud TPU VM).")
+
+
+def _import(module):
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name == "tensorflow":
+            raise ModuleNotFoundError(_NO_TENSORFLOW, name="tensorflow") from err
+        raise
+
+
 def __getattr__(name):
     if name in _PUBLIC:
         module, attribute = _PUBLIC[name]
-        value = getattr(importlib.import_module(module), attribute)
+        value = getattr(_import(module), attribute)
     elif not name.startswith("__"):
         try:  # a module of the package (public, or the implementation's)
-            value = importlib.import_module(f"tfpipe.{name}")
+            value = _import(f"tfpipe.{name}")
         except ModuleNotFoundError as err:
             if err.name != f"tfpipe.{name}":
                 raise

@@ -86,15 +86,19 @@ TRAIN = ["tensorboard", "tensorflow-datasets", "importlib-resources", "scikit-le
 
 
 @pytest.mark.parametrize("extra, requirements", [
-    (None, ["tensorflow-cpu==2.21.*", "keras<4,>=3.15", "absl-py"]),
+    # TensorFlow comes with the extra for the machine, never two side by side.
+    (None, ["keras<4,>=3.15", "absl-py"]),
+    ("cpu", ["tensorflow-cpu==2.21.*"]),
+    ("and-cuda", ["tensorflow[and-cuda]==2.21.*"]),
+    ("tpu", ["tensorflow-tpu==2.21.*"]),
     ("plot", ["matplotlib"]),  # tfpipe.profile's Gantt charts
     ("train", TRAIN),  # launch/ and benchmarks/, from the repository
     ("test", [*TRAIN, "pytest", "pytest-xdist", "regex", "rich", "kagglehub", "tokenizers",
               "sentencepiece"]),
-], ids=["library", "plot", "train", "test"])
+], ids=["library", "cpu", "and-cuda", "tpu", "plot", "train", "test"])
 def test_what_each_extra_installs(wheel, extra, requirements):
     found = _requirements(wheel)
-    assert set(found) == {None, "plot", "train", "test"}
+    assert set(found) == {None, "cpu", "and-cuda", "tpu", "plot", "train", "test"}
     assert found[extra] == requirements
 
 
@@ -142,6 +146,33 @@ def test_every_tfpipe_module_imports_without_the_extras():
     assert report["Timeline.plot"] == (
         "ImportError: Timeline.plot draws with matplotlib, which is not installed: "
         "pip install 'tfpipe[plot]' (or matplotlib)")
+
+
+# `pip install .` without a TensorFlow extra: the pure-Python modules work, the rest
+# says which extra to install.
+_WITHOUT_TENSORFLOW = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "tensorflow":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Block())
+import tfpipe, tfpipe.config, tfpipe.schedules
+tfpipe.schedules.simulate("1f1b", 4, 2)
+try:
+    tfpipe.PipelinedModel
+except ModuleNotFoundError as err:
+    print(err)
+"""
+
+
+def test_without_tensorflow_the_error_names_the_extra_to_install():
+    proc = _python(["-c", _WITHOUT_TENSORFLOW])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        "tfpipe needs TensorFlow, which is not installed. Install the extra for this "
+        "machine: pip install 'tfpipe[cpu]' (CPU), 'tfpipe[and-cuda]' (NVIDIA GPU) or "
+        "'tfpipe[tpu]' (Cloud TPU VM)."]
 
 
 # -- TensorFlow's start-up messages ----------------------------------------------------
