@@ -294,13 +294,16 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         return h
 
     def compile(self, *args, jit_compile="auto", **kwargs):
-        """As `keras.Model.compile`; `jit_compile=True` only with every stage on
-        one device, and Keras' `"auto"` means False (`tfpipe.xla`)."""
-        jit = jit_compile is True
-        if jit:
-            xla.check_jit_compile(self.pipeline_devices)
+        """As `keras.Model.compile`. `jit_compile=True` compiles the whole step
+        with every stage on one device, else each stage function on its own
+        device; Keras' `"auto"` does the latter when every device is a GPU
+        (`tfpipe.xla.stage_xla`)."""
+        whole, per_stage = xla.stage_xla(jit_compile, self.pipeline_devices,
+                                         self.pipeline_config.traits.stage_functions)
+        if per_stage != self._trace_options.stage_xla:
+            self.set_trace_options(stage_xla=per_stage)
         with self._strategy_scope():
-            super().compile(*args, jit_compile=jit, **kwargs)
+            super().compile(*args, jit_compile=whole, **kwargs)
         if self.optimizer is not None:
             _internal.adopt_optimizer(self.optimizer, self._pipeline_strategy)
         self._build_optimizer()

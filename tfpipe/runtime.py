@@ -192,7 +192,8 @@ class Step(Interpreter):
         scale = (tf.cast((scale_loss or (lambda v: v))(tf.constant(1.0)), tf.float32)
                  if backward_step else None)
         shared = stage_lib.StepInputs(batch, split, training, self.interfaces, plan.recompute,
-                                      plan.traits, plan.options.observer, scale)
+                                      plan.traits, plan.options.observer, scale,
+                                      plan.options.stage_xla)
         stages = [
             stage_lib.Stage(k, plan.num_stages, layer, plan.devices[plan.stage_device[k]],
                             plan.states[k],

@@ -18,6 +18,7 @@ from tfpipe import _internal
 from tfpipe import batchnorm
 from tfpipe import boundary
 from tfpipe import schedules
+from tfpipe import xla
 
 float_leaves = boundary.float_leaves
 
@@ -39,6 +40,7 @@ class StepInputs(typing.NamedTuple):
     traits: object
     observer: object
     scale: object
+    stage_xla: bool = False  # stage functions compiled by XLA (`TraceOptions.stage_xla`)
 
 
 class Replay(typing.NamedTuple):
@@ -87,7 +89,7 @@ class Stage:
     def call(self, inputs, training):
         """The layer on `inputs`: (outputs, its call losses summed or None)."""
         if self.shared.observer is not None:
-            self.shared.observer.on_stage_call(self.k)
+            self.shared.observer.on_stage_call(self.k, xla.in_xla_program())
         out = self.layer(inputs, training=training)
         return out, sum_or_none(_internal.call_losses(self.layer))
 
@@ -236,8 +238,10 @@ class CalledFunction:
     called through its concrete function once a call's argument types were
     seen: TF's own lookup and argument binding cost more than the call op."""
 
-    def __init__(self, body):
+    def __init__(self, body, jit_compile=False):
+        # jit_compile: the body is one XLA program (on the stage's own device).
         self.function = tf.function(body, autograph=False, reduce_retracing=True,
+                                    jit_compile=jit_compile or None,
                                     experimental_attributes={"_noinline": True})
         self.concrete = {}  # argument types -> (concrete function, flat tensors in TF's order)
 
@@ -284,7 +288,7 @@ class StageFunction:
         self.stage = stage
         self.record = bool(stage.shared.split is not None and stage.recorder.layers)
         self.traced = {}  # per trace: the BatchNorm layers, and per_row of each part
-        self.function = CalledFunction(self._traced_body)
+        self.function = CalledFunction(self._traced_body, stage.shared.stage_xla)
 
     def _traced_body(self, packed, y_true, sample_weight, real):
         stage = self.stage
@@ -320,7 +324,7 @@ class StageBackward:
         self.unconnected = set()  # positions whose gradient the tape left None
         self.traced_once = False
         self.zeros = {}  # dtype -> the zero a first weight gradient is added to
-        self.function = CalledFunction(self._traced_body)
+        self.function = CalledFunction(self._traced_body, stage.shared.stage_xla)
 
     def _traced_body(self, packed, seeds, y_true, sample_weight, real, g_out, extra_seed,
                      sums):

@@ -42,10 +42,13 @@ class TraceOptions:
     """How steps are traced (`PipelinedModel.set_trace_options`; not saved):
     `enforce_order` each device's actions in the schedule's order;
     `serialize_ops` each device's ops one after another, as on a stream (not
-    in the loop); `observer.on_stage_call(k)` told of each traced stage call."""
+    in the loop); `observer.on_stage_call(k, in_xla)` told of each traced stage
+    call; `stage_xla` each stage function compiled as its own XLA program on
+    its own device (`PipelinedModel.compile` sets it, `tfpipe.xla.stage_xla`)."""
     enforce_order: bool = True
     serialize_ops: bool = False
     observer: object = None
+    stage_xla: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

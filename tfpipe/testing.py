@@ -38,7 +38,8 @@ def use_logical_cpus(n):
 class StageCalls:
     """A trace observer (`PipelinedModel.set_trace_options(observer=...)`):
     counts the calls of each stage's layer while steps are traced, replays
-    included (`per_stage[k]`).
+    included (`per_stage[k]`), and those traced inside an XLA program
+    (`in_xla[k]`).
 
     >>> calls = tfpipe.testing.StageCalls()      # doctest: +SKIP
     >>> model.set_trace_options(observer=calls)  # doctest: +SKIP
@@ -48,9 +49,11 @@ class StageCalls:
 
     def __init__(self):
         self.counts = {}
+        self.in_xla = {}  # k -> calls traced inside an XLA program
 
-    def on_stage_call(self, k):
+    def on_stage_call(self, k, in_xla=False):
         self.counts[k] = self.counts.get(k, 0) + 1
+        self.in_xla[k] = self.in_xla.get(k, 0) + int(bool(in_xla))
 
     @property
     def per_stage(self):

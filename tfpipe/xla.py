@@ -1,9 +1,10 @@
 """A step compiled as one XLA program: when it is allowed, and the static
 shapes it needs.
 
-`jit_compile=True` is right when every stage sits on one device or on the
-cores of one TPU replica, and refused on several devices (one XLA cluster
-would pull every stage onto one). The loop step's TensorLists and a TPU need
+`jit_compile=True` compiles the whole step when every stage sits on one
+device or on the cores of one TPU replica; on several devices each stage
+function is compiled as its own program on its own device (`stage_xla`),
+since one XLA cluster would pull every stage onto one. The loop step's TensorLists and a TPU need
 every batch's N to be a multiple of M (`check_static_batch`).
 """
 
@@ -19,17 +20,33 @@ def in_xla_program():
     return _internal.in_xla_context()
 
 
-def check_jit_compile(pipeline_devices, on_tpu=False):
-    """Refuses `jit_compile=True` (ValueError) for a pipeline over several
-    `pipeline_devices` unless they are the logical cores of a TPU replica."""
-    if on_tpu or len(set(pipeline_devices)) <= 1:
-        return
-    raise ValueError(
-        f"PipelinedModel.compile(jit_compile=True) would compile the whole "
-        f"multi-device pipeline step (devices {list(pipeline_devices)}) as one XLA "
-        f"cluster on one device. Use jit_compile=False (or leave the default), or put "
-        f"every stage on one device (e.g. PipelineStrategy(devices=['/CPU:0'], "
-        f"schedule='interleaved:2')) or on the cores of a TPU replica.")
+def stage_xla(jit_compile, pipeline_devices, stage_functions, on_tpu=False):
+    """How `PipelinedModel.compile(jit_compile=...)` uses XLA: (whole step as
+    one program, each stage function as its own program on its device).
+
+    One device (or a TPU replica's cores): `True` compiles the whole step, as
+    Keras does. Several devices: one program would pull every stage onto one
+    device, so `True` compiles each stage's forward and backward separately,
+    which needs execution="stage_functions" (else a ValueError); Keras'
+    `"auto"` does the same when every device is a GPU (Keras' own "auto"
+    means XLA on GPUs), and nothing elsewhere.
+    """
+    devices = list(dict.fromkeys(pipeline_devices))
+    if on_tpu or len(devices) <= 1:
+        return jit_compile is True, False
+    if jit_compile == "auto":
+        on_gpus = all("GPU" in str(d).upper() for d in devices)
+        return False, bool(on_gpus and stage_functions)
+    if jit_compile is not True:
+        return False, False
+    if not stage_functions:
+        raise ValueError(
+            f"PipelinedModel.compile(jit_compile=True) on several devices ({devices}) "
+            f"compiles each stage as its own XLA program on its own device, which needs "
+            f"execution='stage_functions' (one program for the whole step would pull every "
+            f"stage onto one device). Pass execution='stage_functions' to the "
+            f"PipelineStrategy or the model, or use jit_compile=False.")
+    return False, True
 
 
 def _leading_dim(spec):

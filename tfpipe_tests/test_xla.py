@@ -152,8 +152,10 @@ def test_jit_compile_only_when_every_stage_is_on_one_device(devices, schedule, a
         model.compile(optimizer="sgd", loss="mse", jit_compile=True)
         assert model.jit_compile is True
     else:
-        with pytest.raises(ValueError, match=r"jit_compile=True.*devices \['/device:CPU:0', "
-                                             r"'/device:CPU:1'\].*Use jit_compile=False"):
+        with pytest.raises(ValueError, match=r"jit_compile=True\) on several devices "
+                                             r"\(\['/device:CPU:0', '/device:CPU:1'\]\).*"
+                                             r"needs execution='stage_functions'.*or use "
+                                             r"jit_compile=False"):
             model.compile(optimizer="sgd", loss="mse", jit_compile=True)
     model.compile(optimizer="sgd", loss="mse")  # "auto" stays off
     assert model.jit_compile is False
@@ -172,3 +174,46 @@ def test_a_saved_jit_compile_is_kept_where_it_applies(tmp_path, loaded_devices, 
                                  num_microbatches=4).scope():
         loaded = tfpipe.load_model(path)
     assert loaded.jit_compile is jit
+
+
+# Several devices: each stage function its own XLA program on its own device
+# (`tfpipe.xla.stage_xla`), against plain Keras without XLA. A row per
+# schedule family and recompute mode; interleaved puts two stages on a device.
+PER_STAGE = [
+    ("gpipe", "always", ["/CPU:0", "/CPU:1"]),
+    ("1f1b", "except_last", ["/CPU:0", "/CPU:1"]),
+    pytest.param("zbh1", "never", ["/CPU:0", "/CPU:1"], marks=SLOW),
+    pytest.param("interleaved", "except_last", ["/CPU:0", "/CPU:1"], marks=SLOW),
+]
+
+
+@pytest.mark.parametrize("schedule, recompute, devices", PER_STAGE)
+def test_per_stage_xla_on_several_devices_trains_like_plain_keras(schedule, recompute, devices):
+    x, y = helpers.regression_data(n=48)
+    plain = _plain_keras(x, y)
+    ref = helpers.reference(helpers.mlp_layers(), (8,))
+    ref.set_weights(plain["initial"])
+    strategy = tfpipe.PipelineStrategy(devices=devices, num_microbatches=4, schedule=schedule,
+                                       execution="stage_functions", recompute=recompute)
+    with strategy.scope():
+        model = tfpipe.PipelinedModel.from_model(helpers.twin(ref))
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"], jit_compile=True)
+    calls = tfpipe.testing.StageCalls()
+    model.set_trace_options(observer=calls)
+    assert model.trace_options.stage_xla and model.jit_compile is False  # not one program
+    history = model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history
+    assert calls.per_stage and [calls.in_xla[k] for k in range(len(calls.per_stage))] == \
+        calls.per_stage  # every stage call traced inside its XLA program
+    assert helpers.max_abs_diff(plain["weights"], helpers.stage_weights(model)) < TOL
+    np.testing.assert_allclose(history["loss"], plain["history"]["loss"], rtol=1e-5)
+
+
+def test_auto_jit_compile_on_cpus_leaves_the_stages_uncompiled():
+    """Keras' "auto" means XLA on GPUs only; on logical CPUs nothing is compiled."""
+    with tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], num_microbatches=2,
+                                 execution="stage_functions").scope():
+        model = tfpipe.PipelinedModel(helpers.mlp_layers()[:2], input_shape=(None, 8))
+        model.compile(optimizer="sgd", loss="mse")
+    assert not model.trace_options.stage_xla and model.jit_compile is False
+    assert xla.stage_xla("auto", ["/GPU:0", "/GPU:1"], True) == (False, True)
+    assert xla.stage_xla("auto", ["/GPU:0", "/GPU:1"], False) == (False, False)
