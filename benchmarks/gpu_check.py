@@ -13,6 +13,9 @@ before TensorFlow starts; K = 2 runs on the first two, K = 4 on all four:
               (median of `--repeats` steps), beside `tfpipe.schedules.simulate`'s
               ideal. Logical GPUs share one chip: this measures overhead and
               overlap on one chip, not a two-GPU speed-up;
+  xla         K = 2, M = 4, stage functions: each stage its own XLA program
+              (`jit_compile=True`) beside the same without XLA and plain Keras
+              with and without XLA on one logical GPU: step ms, max |dw|;
   memory      peak bytes per logical GPU of a K = 2, M = 8 step per recompute mode.
 
 It prints the tables and writes one JSON object to `--output`; exit status 1
@@ -83,12 +86,13 @@ def _data(size, batches, seed=0):
     return x, np.tanh(x[:, ::-1]).astype("float32")
 
 
-def _pipelined(ref, devices, m, schedule="gpipe", recompute="never"):
+def _pipelined(ref, devices, m, schedule="gpipe", recompute="never", execution=None,
+               jit_compile=False):
     import tfpipe  # pylint: disable=import-outside-toplevel
     with tfpipe.PipelineStrategy(devices=devices, num_microbatches=m, schedule=schedule,
-                                 recompute=recompute).scope():
+                                 recompute=recompute, execution=execution).scope():
         model = tfpipe.PipelinedModel.from_model(_twin(ref))
-        model.compile(optimizer="adam", loss="mse")
+        model.compile(optimizer="adam", loss="mse", jit_compile=jit_compile)
     return model
 
 
@@ -158,6 +162,43 @@ def check_speedup(devices, size, repeats):
     return rows
 
 
+def check_xla(devices, size, repeats, steps):
+    """K = 2, M = 4, stage functions: each stage its own XLA program
+    (`jit_compile=True`) against the same without XLA and against plain Keras
+    with and without XLA on devices[0]: step ms, and max |dw| against plain
+    Keras without XLA after `steps` Adam steps."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    x, y = _data(size, steps)
+    batch = (x[:size["batch"]], y[:size["batch"]])
+    ref = _reference(size)
+    with tf.device(devices[0]):
+        plain = _twin(ref)
+        plain.compile(optimizer="adam", loss="mse", jit_compile=False)
+        plain.fit(x, y, batch_size=size["batch"], shuffle=False, verbose=0)
+    rows = []
+    for name, jit, pipelined in (("plain Keras", False, False), ("plain Keras", True, False),
+                                 ("tfpipe K=2", False, True), ("tfpipe K=2", True, True)):
+        if pipelined:
+            model = _pipelined(ref, devices[:2], 4, execution="stage_functions", jit_compile=jit)
+            weights = lambda m: m.source_model.get_weights()  # noqa: E731
+        else:
+            with tf.device(devices[0]):
+                model = _twin(ref)
+                model.compile(optimizer="adam", loss="mse", jit_compile=jit)
+            weights = lambda m: m.get_weights()  # noqa: E731
+        model.fit(x, y, batch_size=size["batch"], shuffle=False, verbose=0)
+        diff = max(float(np.max(np.abs(a - b)))
+                   for a, b in zip(plain.get_weights(), weights(model)))
+        rows.append(dict(model=name, xla="per stage" if jit and pipelined else
+                         ("whole step" if jit else "off"), max_abs_diff=diff,
+                         step_ms=_step_ms(model, *batch, repeats)))
+    off = {r["model"]: r["step_ms"] for r in rows if r["xla"] == "off"}
+    for r in rows:
+        r["vs_no_xla"] = off[r["model"]] / r["step_ms"]
+    return rows
+
+
 def check_memory(devices, kind, size):
     """Peak MiB per device of a K = 2, M = 8 step, per recompute mode (None on CPUs)."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -195,6 +236,11 @@ def tables(results):
             [("M", "microbatches", 0), ("step ms", "step_ms", 2),
              ("1-device ms", "one_device_ms", 2), ("speed-up", "speedup", 2),
              ("ideal (simulated)", "ideal", 2)], results["speedup"]),
+        "XLA, K=2, M=4, stage functions (speed-up over the same without XLA):\n"
+        + common.markdown_table(
+            [("model", "model", 0), ("XLA", "xla", 0), ("step ms", "step_ms", 2),
+             ("vs no XLA", "vs_no_xla", 2), ("max abs dw", "max_abs_diff", ".2e")],
+            results["xla"]),
         "peak memory per device, K=2, M=8 (MiB):\n" + common.markdown_table(
             [("recompute", "recompute", 0), ("device 0", "peak_0", 1),
              ("device 1", "peak_1", 1)], memory)])
@@ -220,12 +266,14 @@ def main(argv):
                    machine=platform.node(), exactness=check_exactness(devices, size, f.steps),
                    placement=check_placement(devices, size),
                    speedup=check_speedup(devices, size, f.repeats),
+                   xla=check_xla(devices, size, f.repeats, f.steps),
                    memory=check_memory(devices, kind, size))
     results["seconds"] = time.perf_counter() - start
     common.write_json(f.output, results)
     print(tables(results))
     ok = all(r["exact"] for r in results["exactness"]) and all(
-        r["placed"] for r in results["placement"])
+        r["placed"] for r in results["placement"]) and all(
+        r["max_abs_diff"] < 1e-5 for r in results["xla"] if r["xla"] == "per stage")
     return 0 if ok else 1
 
 

@@ -45,6 +45,11 @@ def test_cpu_dry_run_checks_exactness_placement_speedup_and_memory(tmp_path):
     assert [r["microbatches"] for r in result["speedup"]] == [1, 4, 8]
     assert [round(r["ideal"], 3) for r in result["speedup"]] == [1.0, 1.6, 1.778]  # simulated
     assert all(r["step_ms"] > 0 for r in result["speedup"])
+    assert [(r["model"], r["xla"]) for r in result["xla"]] == [
+        ("plain Keras", "off"), ("plain Keras", "whole step"), ("tfpipe K=2", "off"),
+        ("tfpipe K=2", "per stage")]
+    assert all(r["step_ms"] > 0 for r in result["xla"])
+    assert result["xla"][3]["max_abs_diff"] < 1e-5  # per-stage XLA against plain Keras
     assert [r["recompute"] for r in result["memory"]] == ["never", "except_last", "always"]
     assert all(r["peak_mib"] == [None, None] for r in result["memory"])  # CPUs report none
     assert "exactness (max abs dw vs plain Keras, M=4):\n| K | schedule |" in proc.stdout
