@@ -22,6 +22,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.eager.polymorphic_function import function_type_utils
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util
+from tensorflow.python.tpu import tpu_system_metadata
 
 
 class PipelineExtended(distribute_lib._DefaultDistributionExtended):
@@ -474,3 +475,22 @@ class EmptyDataLikeKeras:
             return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
         except StopIteration:
             return None
+
+
+def tpu_metadata(topology, device_names):
+    """TF's `TPUSystemMetadata` of one host with the TPU cores of `topology`
+    and `device_names` (what `TPUStrategy` asks a cluster resolver for)."""
+    devices = [_Device(name) for name in device_names]
+    cores = int(topology.num_tasks * topology.num_tpus_per_task)
+    return tpu_system_metadata.TPUSystemMetadata(
+        num_cores=cores, num_hosts=int(topology.num_tasks),
+        num_of_cores_per_host=int(topology.num_tpus_per_task), topology=topology,
+        devices=devices)
+
+
+class _Device:
+    """What `TPUSystemMetadata.devices` holds: a name and a device type."""
+
+    def __init__(self, name):
+        self.name = name
+        self.device_type = tf.DeviceSpec.from_string(name).device_type

@@ -27,6 +27,7 @@ from tfpipe import replicas
 from tfpipe import saving
 from tfpipe import strategy as strategy_lib
 from tfpipe import summary
+from tfpipe import tpu
 from tfpipe import xla
 
 
@@ -62,6 +63,12 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
                  input_shape=None, input_dtype="float32", execution=None, schedule=None,
                  batch_norm=None, **kwargs):
         strategy = strategy_lib.current_pipeline_strategy()
+        if strategy is None and tpu.is_tpu_strategy(tf.distribute.get_strategy()):
+            raise ValueError(
+                "PipelinedModel under a tf.distribute.TPUStrategy is not built yet: tfpipe "
+                "places stages on TPU cores only in its traced tests "
+                "(tfpipe.testing.tpu_strategy). Train with a tfpipe.PipelineStrategy on GPUs "
+                "or CPUs, or the plain Keras model under the TPUStrategy.")
         if strategy is None and tf.distribute.has_strategy():
             raise ValueError(
                 f"PipelinedModel must be created under a tfpipe.PipelineStrategy "

@@ -1,7 +1,17 @@
-"""Helpers for tests and development on one machine: logical CPU devices, and
-an observer that counts stage calls while a step is traced."""
+"""Helpers for tests and development on one machine: logical CPU devices, an
+observer that counts stage calls while a step is traced, and a TPUStrategy
+that traces TPU programs on a CPU-only machine."""
 
+import numpy as np
 import tensorflow as tf
+
+from tfpipe import _internal
+
+# name -> (mesh shape [x, y, z, cores per chip]); each one host's worth of chips.
+TPU_TOPOLOGIES = {
+    "v3-8": [2, 2, 1, 2],    # 4 chips x 2 cores
+    "v5e-8": [2, 4, 1, 1],   # 8 chips x 1 core
+}
 
 
 def use_logical_cpus(n):
@@ -59,3 +69,72 @@ class StageCalls:
     def per_stage(self):
         """Calls per stage, stages 0..K-1 (K: the highest stage called + 1)."""
         return [self.counts.get(k, 0) for k in range(1 + max(self.counts, default=-1))]
+
+
+def _topology(mesh):
+    """A one-host `Topology` of `mesh`: every chip's cores, core fastest."""
+    x_size, y_size, z_size, cores = mesh
+    coordinates = [(x, y, z, c) for x in range(x_size) for y in range(y_size)
+                   for z in range(z_size) for c in range(cores)]
+    return tf.tpu.experimental.Topology(mesh_shape=list(mesh),
+                                        device_coordinates=np.array([coordinates], np.int32))
+
+
+class _TracingOnlyResolver(tf.distribute.cluster_resolver.ClusterResolver):
+    """A cluster resolver reporting one host's TPU cores that do not exist."""
+
+    def __init__(self, topology):
+        self.task_type, self.task_id, self.rpc_layer = "worker", 0, None
+        self.topology = topology
+        cores = topology.num_tasks * topology.num_tpus_per_task
+        self.device_names = [f"/job:localhost/replica:0/task:0/device:TPU:{i}"
+                             for i in range(cores)] + ["/job:localhost/replica:0/task:0/device:CPU:0"]
+
+    def cluster_spec(self):
+        return tf.train.ClusterSpec({})
+
+    def master(self, task_type=None, task_id=None, rpc_layer=None):
+        return ""
+
+    def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
+        return {"TPU": len(self.device_names) - 1}
+
+    @property
+    def environment(self):
+        return ""
+
+    def get_tpu_system_metadata(self):
+        return _internal.tpu_metadata(self.topology, self.device_names)
+
+
+def tpu_strategy(topology="v3-8", cores_per_replica=2, num_replicas=1):
+    """A real `tf.distribute.TPUStrategy` over TPU cores that do not exist:
+    it *traces* TPU programs on a CPU-only machine (`tpu.replicate`,
+    `TPUReplicateMetadata`, ops on `/device:TPU_REPLICATED_CORE:k`) but
+    cannot run them (executing fails: there is no TPU kernel).
+
+    `topology`: a name of `TPU_TOPOLOGIES`; `cores_per_replica` K (1, 2, 4
+    or 8, within the host) and `num_replicas` R, K x R at most its cores.
+
+    >>> strategy = tfpipe.testing.tpu_strategy("v3-8", cores_per_replica=2)  # doctest: +SKIP
+    >>> strategy.extended.experimental_logical_device(1)  # stage 1's core  # doctest: +SKIP
+    """
+    if topology not in TPU_TOPOLOGIES:
+        raise ValueError(f"topology={topology!r} is not one of {sorted(TPU_TOPOLOGIES)}.")
+    mesh = TPU_TOPOLOGIES[topology]
+    cores = int(np.prod(mesh))
+    per_chip = mesh[3]
+    shapes = {k: [1, 1, 1, k] if k <= per_chip else
+              ([1, k // per_chip, 1, per_chip] if k // per_chip <= mesh[1] else
+               [k // (per_chip * mesh[1]), mesh[1], 1, per_chip])
+              for k in (1, 2, 4, 8) if k <= cores}
+    if cores_per_replica not in shapes or num_replicas < 1 or \
+            cores_per_replica * num_replicas > cores:
+        raise ValueError(
+            f"cores_per_replica={cores_per_replica!r} x num_replicas={num_replicas!r} does not "
+            f"fit {topology}'s {cores} cores; cores_per_replica takes {sorted(shapes)}.")
+    assignment = tf.tpu.experimental.DeviceAssignment.build(
+        _topology(mesh), computation_shape=shapes[cores_per_replica],
+        num_replicas=num_replicas)
+    return tf.distribute.TPUStrategy(_TracingOnlyResolver(assignment.topology),
+                                     experimental_device_assignment=assignment)

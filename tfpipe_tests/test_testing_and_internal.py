@@ -3,6 +3,7 @@
 import contextlib
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -316,6 +317,13 @@ def test_keras_model_state_the_keras_face_reads():
     assert model.distribute_strategy is strategy
     children = _internal.checkpoint_children(model)
     assert children and all(hasattr(c, "_trackable_children") for c in children.values())
+    # The TPU system metadata a tracing-only TPUStrategy is made from.
+    topology = tf.tpu.experimental.Topology(
+        mesh_shape=[1, 1, 1, 2], device_coordinates=np.array([[(0, 0, 0, 0), (0, 0, 0, 1)]],
+                                                              np.int32))
+    meta = _internal.tpu_metadata(topology, ["/job:localhost/replica:0/task:0/device:TPU:0",
+                                             "/job:localhost/replica:0/task:0/device:CPU:0"])
+    assert (meta.num_cores, meta.num_hosts, meta.devices[0].device_type) == (2, 1, "TPU")
     # EmptyDataLikeKeras wraps the hook Keras' TF trainer peeks at the first batch in.
     assert callable(getattr(type(model), "_maybe_symbolic_build", None))
     assert _internal.EmptyDataLikeKeras._maybe_symbolic_build.__name__ == "_maybe_symbolic_build"

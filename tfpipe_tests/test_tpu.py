@@ -1,9 +1,12 @@
 """Stages on TPU cores, checked without a TPU: the stage-to-core mapping on
 real `Topology`/`DeviceAssignment` objects (pure Python), and the errors."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+import tfpipe
 
 from tfpipe import devices
 from tfpipe import tpu
@@ -149,3 +152,51 @@ def test_logical_core_is_named_by_its_index_not_a_tpu_device_string():
     core = devices.LogicalCore(strategy, 3)
     assert core.name == "TPU logical core 3" and "/device:TPU" not in core.name
     assert core == devices.LogicalCore(strategy, 3) != devices.LogicalCore(strategy, 2)
+
+
+# -- a TPUStrategy on CPU: traces TPU programs, cannot run them --------------------------
+
+
+def _traced_replicate(strategy, cores):
+    """The ops of a traced step that doubles its input once under each logical core."""
+    def step(x):
+        def replica(x):
+            for core in range(cores):
+                with devices.scope(devices.LogicalCore(strategy, core)):
+                    x = x * 2.0
+            return x
+        return strategy.run(replica, args=(x,))
+    return tf.function(step).get_concrete_function(tf.TensorSpec((4, 2))).graph.get_operations()
+
+
+# (topology, K cores per replica, R replicas): one host of each kind, K and R pairwise.
+TRACING_STRATEGIES = [("v3-8", 2, 1), ("v3-8", 4, 2), ("v3-8", 2, 4), ("v5e-8", 8, 1)]
+
+
+@pytest.mark.parametrize("topology, cores, replicas", TRACING_STRATEGIES)
+def test_tpu_strategy_on_cpu_traces_a_replicated_program_on_k_cores(topology, cores, replicas):
+    strategy = tfpipe.testing.tpu_strategy(topology, cores, replicas)
+    assert tpu.is_tpu_strategy(strategy) and strategy.num_replicas_in_sync == replicas
+    ops = _traced_replicate(strategy, cores)
+    meta, = [op for op in ops if op.type == "TPUReplicateMetadata"]
+    assert (meta.get_attr("num_replicas"), meta.get_attr("num_cores_per_replica")) == \
+        (replicas, cores)
+    multiplies = [op.device for op in ops if op.type == "Mul"]
+    assert multiplies == [f"/device:TPU_REPLICATED_CORE:{k}" for k in range(cores)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("v2-8", 2, 1), r"topology='v2-8' is not one of \['v3-8', 'v5e-8'\]"),
+    (("v3-8", 3, 1), r"cores_per_replica=3 x num_replicas=1 does not fit v3-8's 8 cores"),
+    (("v3-8", 4, 4), r"cores_per_replica=4 x num_replicas=4 does not fit"),
+])
+def test_tpu_strategy_refuses_what_the_host_cannot_hold(args, message):
+    with pytest.raises(ValueError, match=message):
+        tfpipe.testing.tpu_strategy(*args)
+
+
+def test_a_pipelined_model_under_a_tpu_strategy_is_refused_as_not_built():
+    with tfpipe.testing.tpu_strategy("v3-8", 2).scope():
+        with pytest.raises(ValueError, match=r"under a tf.distribute.TPUStrategy is not built "
+                                             r"yet.*tfpipe.PipelineStrategy"):
+            tfpipe.PipelinedModel([keras.layers.Dense(2), keras.layers.Dense(1)])
