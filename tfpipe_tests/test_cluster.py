@@ -435,5 +435,33 @@ def test_trainer_watchdog_then_resume(tmp_path, reference_run):
     assert _history(tmp_path) == reference_run
 
 
+@pytest.mark.slow
+def test_sigterm_to_the_client_of_a_cluster_saves_stops_its_workers_and_resumes(
+        tmp_path, reference_run):
+    """The client writes the checkpoints: it stops as a single process does
+    (the step, a save, exit 143), and no worker outlives it."""
+    run = _Trainer("--cluster=local:2", "--step_timeout=30", f"--model_dir={tmp_path}")
+    manifest = tmp_path / "checkpoints" / "ckpt-10.manifest.json"
+    deadline = time.monotonic() + CHILD_TIMEOUT
+    while not manifest.exists() and run.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(run.pids) == 2 and run.proc.poll() is None, "".join(run.lines)
+    os.kill(run.proc.pid, signal.SIGTERM)
+    code, out, err, _ = run.finish()  # also: no worker left behind
+    assert code == 143, err[-3000:]
+    # (TensorFlow's teardown may add "Failed to remove function remotely" lines
+    # after it: the workers are gone by then.)
+    last = [l for l in err.splitlines() if l.startswith("launch.train: stopped:")][-1]
+    assert last.startswith("launch.train: stopped: SIGTERM after step ") and \
+        "--resume continues the run from there." in last
+    step = int(last.split("after step ")[1].split(":")[0])
+    assert (tmp_path / "checkpoints" / f"ckpt-{step}.manifest.json").exists()
+    code, out, err, _ = _Trainer("--logical_cpus=2", "--resume",
+                                 f"--model_dir={tmp_path}").finish()
+    assert code == 0, err[-3000:]
+    assert f"(step {step})." in out
+    assert _history(tmp_path) == reference_run
+
+
 if __name__ == "__main__":
     CHILDREN[sys.argv[1]]()
