@@ -307,6 +307,7 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         (`tfpipe.xla.stage_xla`)."""
         whole, per_stage = xla.stage_xla(jit_compile, self.pipeline_devices,
                                          self.pipeline_config.traits.stage_functions)
+        self._jit_request = jit_compile  # saved as asked (get_compile_config), not as resolved
         if per_stage != self._trace_options.stage_xla:
             self.set_trace_options(stage_xla=per_stage)
         with self._strategy_scope():
@@ -479,12 +480,22 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
             self._input_dtype = config.get("input_dtype", self._input_dtype)
             self.build(config["input_shape"])
 
+    def get_compile_config(self):
+        config = super().get_compile_config()
+        if config and hasattr(self, "_jit_request"):
+            # What the user asked: a layout loaded later resolves it again.
+            config["jit_compile"] = self._jit_request
+        return config
+
     def compile_from_config(self, config):
         # Keras skips this for models overriding compile(); ours only adds checks.
         config = keras.saving.deserialize_keras_object(config)
-        # XLA was accepted for the saved layout; on several devices it is off.
-        if config.get("jit_compile") is True and len(set(self.pipeline_devices)) > 1:
-            config["jit_compile"] = False
+        if config.get("jit_compile") is True:
+            try:  # XLA was accepted for the saved layout; this one may not take it
+                xla.stage_xla(True, self.pipeline_devices,
+                              self.pipeline_config.traits.stage_functions)
+            except ValueError:
+                config["jit_compile"] = False
         self.compile(**config)
 
     @classmethod

@@ -162,18 +162,26 @@ def test_jit_compile_only_when_every_stage_is_on_one_device(devices, schedule, a
     assert isinstance(model, keras.Model)
 
 
-@pytest.mark.parametrize("loaded_devices, jit", [(("/CPU:0",), True), (("/CPU:0", "/CPU:1"), False)])
-def test_a_saved_jit_compile_is_kept_where_it_applies(tmp_path, loaded_devices, jit):
-    """Saved with XLA on one device: loaded on one device it keeps XLA; cut
-    again for two devices (tfpipe.load_model) it runs without, as compile allows."""
+@pytest.mark.parametrize("loaded_devices, execution, whole, per_stage", [
+    (("/CPU:0",), None, True, False),
+    (("/CPU:0", "/CPU:1"), None, False, False),
+    (("/CPU:0", "/CPU:1"), "stage_functions", False, True),
+])
+def test_a_saved_jit_compile_is_kept_where_it_applies(tmp_path, loaded_devices, execution,
+                                                      whole, per_stage):
+    """Saved with XLA on one device: loaded on one device it keeps the whole
+    step's XLA; cut again for two devices (tfpipe.load_model) it compiles each
+    stage with stage functions, and runs without XLA in another execution, as
+    compile allows."""
     model = _one_device_model("unrolled")
     model.compile(optimizer="sgd", loss="mse", jit_compile=True)
     path = str(tmp_path / "xla.keras")
     model.save(path)
     with tfpipe.PipelineStrategy(devices=list(loaded_devices), schedule="1f1b/segments=2",
-                                 num_microbatches=4).scope():
+                                 num_microbatches=4, execution=execution).scope():
         loaded = tfpipe.load_model(path)
-    assert loaded.jit_compile is jit
+    assert loaded.jit_compile is whole
+    assert loaded.trace_options.stage_xla is per_stage
 
 
 # Several devices: each stage function its own XLA program on its own device
