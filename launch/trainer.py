@@ -10,8 +10,8 @@ Data flow of one run:
       callbacks: StepTimer -> StepRecorder (history, NaN guard, TensorBoard)
                  -> Checkpointer (verified checkpoints with the history inside)
                  -> StopOnRequest (a signal: fit ends after the step, one save)
-    --resume: CheckpointStore.find -> restore (variables, step, history)
-              -> TensorBoard rebuilt from the history -> fit from that step
+    --resume: CheckpointStore.find -> restore (variables, step, history from its
+              segments) -> TensorBoard trimmed at that step -> fit from that step
 """
 
 import contextlib
