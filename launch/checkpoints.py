@@ -56,10 +56,6 @@ KEEP = config_lib.KEEP_CHECKPOINTS
 _CKPT_FILE = outputs.CHECKPOINT_FILE
 
 
-def _entries(directory):
-    return list(directory.iterdir()) if directory.is_dir() else []
-
-
 class Damaged(Exception):
     """A checkpoint that cannot be used; the message says why."""
 
@@ -187,7 +183,7 @@ class CheckpointStore:
         if listed is not None and listed not in on_disk and (
                 not on_disk or listed > max(on_disk)):
             aside = any(_CKPT_FILE.fullmatch(p.name) and p.name.startswith(f"ckpt-{listed}.")
-                        for p in _entries(self.dir / SKIPPED_DIR))
+                        for p in outputs.entries(self.dir / SKIPPED_DIR))
             skipped.append((f"ckpt-{listed}", f"{self.dir / STATE_FILE} lists it, but "
                             + (f"an earlier resume set it aside in {SKIPPED_DIR}/" if aside
                                else "its files are gone")))
@@ -211,7 +207,7 @@ class CheckpointStore:
                 target.mkdir(exist_ok=True)
                 os.replace(self.dir / file_name, target / file_name)
         aside = {}
-        for entry in _entries(target):
+        for entry in outputs.entries(target):
             match = _CKPT_FILE.fullmatch(entry.name)
             if match:
                 aside.setdefault(int(match.group(1)), []).append(entry)

@@ -60,14 +60,15 @@ def path_problems(model_dir):
             out.append(f"{path} is a directory, but the run writes a file of that name. "
                        f"Move it, or pass another --model_dir.")
     if model_dir.is_dir() and any(_MANIFEST_FILE.fullmatch(p.name)
-                                  for p in _entries(model_dir)):
+                                  for p in entries(model_dir)):
         out.append(f"{model_dir} holds checkpoints itself: it looks like the "
                    f"{CHECKPOINT_DIR}/ folder of a run. Pass the run's directory: "
                    f"--model_dir={model_dir.parent}.")
     return out
 
 
-def _entries(directory):
+def entries(directory):
+    """The entries of `directory` as paths; [] if it is missing or a file."""
     try:
         return list(pathlib.Path(directory).iterdir())
     except (FileNotFoundError, NotADirectoryError):
@@ -89,7 +90,7 @@ def find(model_dir):
     model_dir = pathlib.Path(model_dir)
     ckpt = model_dir / CHECKPOINT_DIR
     found, ours = [], set()
-    for entry in sorted(_entries(ckpt)):
+    for entry in sorted(entries(ckpt)):
         if _MANIFEST_FILE.fullmatch(entry.name) and entry.is_file():
             for name in _manifest_files(entry):
                 if CHECKPOINT_FILE.fullmatch(name) and (ckpt / name).is_file():
@@ -100,9 +101,9 @@ def find(model_dir):
     state = ckpt / STATE_FILE
     if state.is_file() and _state_names_only(state, ours):
         found.append(state)
-    found += [p for p in sorted(_entries(ckpt / SKIPPED_DIR))
+    found += [p for p in sorted(entries(ckpt / SKIPPED_DIR))
               if p.is_file() and CHECKPOINT_FILE.fullmatch(p.name)]
-    found += [p for p in sorted(_entries(ckpt / HISTORY_SEGMENTS))
+    found += [p for p in sorted(entries(ckpt / HISTORY_SEGMENTS))
               if p.is_file() and _SEGMENT_FILE.fullmatch(p.name)]
     history = model_dir / HISTORY_FILE
     if history.is_file() and _is_history(history):
@@ -111,9 +112,9 @@ def find(model_dir):
     if plot.is_file():
         found.append(plot)
     for run in TENSORBOARD_RUNS:
-        found += [p for p in sorted(_entries(model_dir / TENSORBOARD_DIR / run))
+        found += [p for p in sorted(entries(model_dir / TENSORBOARD_DIR / run))
                   if p.is_file() and p.name.startswith("events.out.tfevents.")]
-    found += [p for p in sorted(_entries(model_dir / TIMELINE_DIR))
+    found += [p for p in sorted(entries(model_dir / TIMELINE_DIR))
               if p.is_file() and _TIMELINE_FILE.fullmatch(p.name)]
     return found
 
