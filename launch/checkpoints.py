@@ -12,9 +12,9 @@ A save writes what the history gained since the last save as a segment
 before), then the TensorFlow files under a unique temporary prefix
 (`.ckpt-N.tmp-PID-RANDOM`), fsyncs and renames them to `ckpt-N.*`, then writes
 the manifest: the step, the size and SHA-256 of each file, the run settings,
-the name and SHA-256 of the newest history segment, and a SHA-256 of all that. The manifest is written last
-and atomically (`atomic_write`), so it is the commit: a checkpoint without one
-was interrupted mid-write. Only after the commit are older checkpoints deleted
+the name and SHA-256 of the newest history segment, and a SHA-256 of all that.
+The manifest is written last and atomically (`atomic_write`), so it is the
+commit: a checkpoint without one was interrupted mid-write. Only after the commit are older checkpoints deleted
 (the newest `keep` stay; each loses its manifest first).
 
 A restore lists the checkpoints from the files, never from the state file
@@ -48,7 +48,8 @@ from launch.config import Diverged, RunError
 from launch.files import atomic_write, canonical, fsync_dir, sha256
 
 from launch import segments
-from launch.outputs import CHECKPOINT_DIR, HISTORY_SEGMENTS, MANIFEST, SKIPPED_DIR, STATE_FILE  # noqa: F401,E501
+from launch.outputs import (CHECKPOINT_DIR, HISTORY_SEGMENTS, MANIFEST,  # noqa: F401
+                            SKIPPED_DIR, STATE_FILE)
 
 FORMAT = 2  # 2: the history in segments (`launch.segments`)
 KEEP = config_lib.KEEP_CHECKPOINTS

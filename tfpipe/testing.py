@@ -87,8 +87,8 @@ class _TracingOnlyResolver(tf.distribute.cluster_resolver.ClusterResolver):
         self.task_type, self.task_id, self.rpc_layer = "worker", 0, None
         self.topology = topology
         cores = topology.num_tasks * topology.num_tpus_per_task
-        self.device_names = [f"/job:localhost/replica:0/task:0/device:TPU:{i}"
-                             for i in range(cores)] + ["/job:localhost/replica:0/task:0/device:CPU:0"]
+        host = "/job:localhost/replica:0/task:0/device"
+        self.device_names = [f"{host}:TPU:{i}" for i in range(cores)] + [f"{host}:CPU:0"]
 
     def cluster_spec(self):
         return tf.train.ClusterSpec({})

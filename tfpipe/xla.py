@@ -4,8 +4,9 @@ shapes it needs.
 `jit_compile=True` compiles the whole step when every stage sits on one
 device or on the cores of one TPU replica; on several devices each stage
 function is compiled as its own program on its own device (`stage_xla`),
-since one XLA cluster would pull every stage onto one. The loop step's TensorLists and a TPU need
-every batch's N to be a multiple of M (`check_static_batch`).
+since one XLA cluster would pull every stage onto one. The loop step's
+TensorLists and a TPU need every batch's N to be a multiple of M
+(`check_static_batch`).
 """
 
 import numpy as np

@@ -64,14 +64,21 @@ def _plain_keras(x, y):
     return helpers.plain_reference(("xla", len(x)), train)
 
 
-@pytest.mark.parametrize("execution,schedule,recompute", CASES)
-def test_xla_step_trains_like_plain_keras(execution, schedule, recompute):
-    # 48 rows / batch 16 = 3 Adam steps of M = 4 micro-batches. (That the step
-    # without XLA trains like plain Keras is test_exactness'.)
+def _data_plain_and_ref():
+    """48 rows (3 Adam steps of batch 16), plain Keras' run on them, and a
+    fresh model at plain Keras' initial weights."""
     x, y = helpers.regression_data(n=48)
     plain = _plain_keras(x, y)
     ref = helpers.reference(helpers.mlp_layers(), (8,))
     ref.set_weights(plain["initial"])
+    return x, y, plain, ref
+
+
+@pytest.mark.parametrize("execution,schedule,recompute", CASES)
+def test_xla_step_trains_like_plain_keras(execution, schedule, recompute):
+    # 48 rows / batch 16 = 3 Adam steps of M = 4 micro-batches. (That the step
+    # without XLA trains like plain Keras is test_exactness'.)
+    x, y, plain, ref = _data_plain_and_ref()
     compiled, h_xla = _train(ref, execution, schedule, recompute, True, x, y)
     assert helpers.max_abs_diff(plain["weights"], helpers.stage_weights(compiled)) < TOL
     np.testing.assert_allclose(h_xla["loss"], plain["history"]["loss"], rtol=1e-5)
@@ -197,10 +204,7 @@ PER_STAGE = [
 
 @pytest.mark.parametrize("schedule, recompute, devices", PER_STAGE)
 def test_per_stage_xla_on_several_devices_trains_like_plain_keras(schedule, recompute, devices):
-    x, y = helpers.regression_data(n=48)
-    plain = _plain_keras(x, y)
-    ref = helpers.reference(helpers.mlp_layers(), (8,))
-    ref.set_weights(plain["initial"])
+    x, y, plain, ref = _data_plain_and_ref()
     strategy = tfpipe.PipelineStrategy(devices=devices, num_microbatches=4, schedule=schedule,
                                        execution="stage_functions", recompute=recompute)
     with strategy.scope():
@@ -225,3 +229,35 @@ def test_auto_jit_compile_on_cpus_leaves_the_stages_uncompiled():
     assert not model.trace_options.stage_xla and model.jit_compile is False
     assert xla.stage_xla("auto", ["/GPU:0", "/GPU:1"], True) == (False, True)
     assert xla.stage_xla("auto", ["/GPU:0", "/GPU:1"], False) == (False, False)
+
+
+def test_per_stage_xla_on_a_softmax_classifier_with_a_nested_model():
+    """A model tfpipe did not write: a nested functional block, a softmax head
+    and Keras' default crossentropy (its hidden logits), under per-stage XLA."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 10)).astype("float32")
+    y = rng.integers(0, 4, 48)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        inner_in = keras.Input((16,))
+        block = keras.Model(inner_in, keras.layers.Dense(16, activation="relu")(
+            keras.layers.LayerNormalization()(inner_in)), name="block")
+        inputs = keras.Input((10,))
+        h = block(keras.layers.Dense(16, activation="relu")(inputs))
+        return keras.Model(inputs, keras.layers.Dense(4, activation="softmax")(
+            keras.layers.Dense(16, activation="tanh")(h)))
+
+    plain = make()
+    plain.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    expected = plain.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"]
+    model = make()
+    with tfpipe.PipelineStrategy(num_microbatches=4, schedule="1f1b", devices=["/CPU:0", "/CPU:1"],
+                                 execution="stage_functions").scope():
+        pipelined = tfpipe.PipelinedModel.from_model(model)
+        pipelined.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                          jit_compile=True)
+    history = pipelined.fit(x, y, batch_size=16, shuffle=False, verbose=0).history
+    assert pipelined.trace_options.stage_xla
+    assert helpers.max_abs_diff(plain.get_weights(), model.get_weights()) < TOL
+    np.testing.assert_allclose(history["loss"], expected, rtol=1e-5)
