@@ -334,11 +334,17 @@ def slice_with_metadata(tensor, rows):
     return out
 
 
-def move_variable(variable, device):
-    """Re-creates a built Keras variable's storage on `device`, same value; the
+def move_variable(variable, scope, named_by_path=False):
+    """Re-creates a built Keras variable's storage inside `scope` (a context
+    manager: `tf.device(name)`, a TPU logical core's), same value; the
     `keras.Variable` object (and every layer sharing it) stays, only its
-    backing `tf.Variable` is new."""
-    with tf.device(device):
+    backing `tf.Variable` is new. `named_by_path`: the TF variable is named
+    by the Keras path (`dense_1/kernel`, not `kernel`), so that a traced
+    graph or a profile names each variable's handle apart."""
+    parent = variable.path.rpartition("/")[0]
+    names = (tf.name_scope(parent + "/") if named_by_path and parent
+             else contextlib.nullcontext())
+    with scope, names:
         variable._initialize(variable.value.read_value())
 
 
@@ -494,3 +500,89 @@ class _Device:
     def __init__(self, name):
         self.name = name
         self.device_type = tf.DeviceSpec.from_string(name).device_type
+
+
+def tpu_uses_spmd(strategy):
+    """Whether a TPUStrategy partitions with XLA SPMD
+    (`experimental_spmd_xla_partitioning=True`)."""
+    return bool(getattr(strategy.extended, "_use_spmd_for_xla_partitioning", False))
+
+
+def tpu_core_devices(strategy):
+    """A TPUStrategy's physical core names, an R x K nest: [r][k] is logical
+    core k of replica r."""
+    return [list(row) for row in strategy.extended._tpu_devices]
+
+
+def tpu_cores_per_replica(strategy):
+    """K, the logical cores of each replica of a TPUStrategy."""
+    return len(tpu_core_devices(strategy)[0])
+
+
+def place_optimizer_updates(optimizer, device_of):
+    """Makes a Keras TF optimizer do each variable's work in its device's
+    scope: `device_of(variable)` is a hashable object with a `scope()` (a
+    `tfpipe.devices.StageDevice`), or None for no scope, where `variable` is
+    the TF variable Keras works on (`keras.Variable.value`). The work: the
+    gradients' all-reduce over replicas (one per device, not one for all),
+    the weight decay and `update_step` (slots included).
+
+    Why: inside a TPU replica Keras' optimizer runs in no device scope, so
+    every update would land on the replica's core 0 and read each stage's
+    variables there. Wraps this instance's methods once; a second call
+    replaces `device_of`."""
+    inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
+    if inner is not None:
+        place_optimizer_updates(inner, device_of)
+    wrapped = getattr(optimizer, "_tfpipe_device_of", None) is not None
+    optimizer._tfpipe_device_of = device_of
+    if wrapped:
+        return
+    update_step = optimizer.update_step
+    reduce_gradients = optimizer._all_reduce_sum_gradients
+    weight_decay = optimizer._apply_weight_decay
+
+    def device(variable):
+        value = variable.value if isinstance(variable, keras.Variable) else variable
+        return optimizer._tfpipe_device_of(value)
+
+    def scope(variable):
+        found = device(variable)
+        return contextlib.nullcontext() if found is None else found.scope()
+
+    def by_device(variables):
+        """Positions of `variables` grouped by device, in first-seen order."""
+        out = {}
+        for i, variable in enumerate(variables):
+            out.setdefault(device(variable), []).append(i)
+        return list(out.values())
+
+    def placed_update_step(gradient, variable, learning_rate):
+        with scope(variable):
+            return update_step(gradient, variable, learning_rate)
+
+    def placed_reduce(grads_and_vars):
+        pairs = list(grads_and_vars)
+        out = [None] * len(pairs)
+        for positions in by_device([v for _, v in pairs]):
+            with scope(pairs[positions[0]][1]):
+                reduced = reduce_gradients([pairs[i] for i in positions])
+            for i, pair in zip(positions, reduced):
+                out[i] = pair
+        return out
+
+    def placed_weight_decay(variables):
+        variables = list(variables)
+        for positions in by_device(variables):
+            with scope(variables[positions[0]]):
+                weight_decay([variables[i] for i in positions])
+
+    optimizer.update_step = placed_update_step
+    optimizer._all_reduce_sum_gradients = placed_reduce
+    optimizer._apply_weight_decay = placed_weight_decay
+
+
+def graph_functions(graph):
+    """{name: function graph} of the functions defined in a `tf.Graph` (a
+    traced function's calls, while bodies and branches)."""
+    return {name: f.graph for name, f in graph._functions.items() if hasattr(f, "graph")}

@@ -5,10 +5,13 @@ Every place tfpipe puts a stage's variables or ops enters a `StageDevice`'s
 elsewhere: `StageDevice(name)` (a CPU, GPU or remote task's device; scope
 `tf.device(name)`) and `LogicalCore(strategy, k)`, logical core k of each
 replica of a TPUStrategy (scope `strategy.extended.experimental_logical_device(k)`;
-tfpipe never writes TPU device strings). `LogicalCore` has not run on a TPU.
+tfpipe never writes TPU device strings). `LogicalCore` is traced on CPU; it has
+not run on a TPU.
 """
 
 import tensorflow as tf
+
+from tfpipe import _internal
 
 
 class StageDevice:
@@ -48,8 +51,12 @@ class LogicalCore(StageDevice):
         self.strategy, self.index = strategy, index
 
     def scope(self):
-        # Untested on hardware; raises a ValueError past the replica's cores.
+        # Raises a ValueError past the replica's cores.
         return self.strategy.extended.experimental_logical_device(self.index)
+
+    def replica_devices(self):
+        """The TPU device of this core in each replica (R names)."""
+        return [row[self.index] for row in _internal.tpu_core_devices(self.strategy)]
 
     def __eq__(self, other):
         return (isinstance(other, LogicalCore) and other.index == self.index

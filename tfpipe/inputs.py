@@ -133,7 +133,7 @@ def check_batch(x, batch_size, what, num_microbatches, num_replicas, static_for=
     size that is a multiple of M (None: no such need)."""
     m, r = num_microbatches, num_replicas
     if static_for is not None:
-        xla.check_static_batch(x, batch_size, m, what, static_for)
+        xla.check_static_batch(x, batch_size, m, what, static_for, r)
     for size in (_keras_batch_size(batch_size, x), _dataset_batch_size(x)):
         if size is not None and r > 1 and size < m * r:
             raise ValueError(
@@ -160,12 +160,15 @@ def check_labels(x, y, what, has_loss):
 
 
 def check_scope(what, strategy):
-    """A call under another strategy's scope than the model's own."""
-    if tf.distribute.has_strategy() and tf.distribute.get_strategy() is not strategy:
+    """A call under another strategy's scope than the model's own (`strategy`:
+    its `PipelineStrategy` or `tfpipe.tpu.TPUPipelineHost`)."""
+    if tf.distribute.has_strategy() and \
+            tf.distribute.get_strategy() is not strategy.distribute_strategy:
         raise ValueError(
             f"{what}: called under {type(tf.distribute.get_strategy()).__name__}'s "
-            f"scope, but this model belongs to its own tfpipe.PipelineStrategy "
-            f"({strategy.num_stages} stages); call it outside any "
+            f"scope, but this model belongs to its own "
+            f"{type(strategy.distribute_strategy).__name__} ({strategy.num_stages} stage "
+            f"slots); call it outside any "
             f"strategy scope or inside that one.")
 
 

@@ -32,11 +32,12 @@ def load_model(path, balance=None, custom_objects=None, compile=True, **settings
         raise ValueError(f"load_model got unknown setting(s) {unknown}; it takes "
                          f"{', '.join(config_lib.FIELDS)} "
                          f"(devices come from the PipelineStrategy in scope).")
-    if tf.distribute.has_strategy() and strategy_lib.current_pipeline_strategy() is None:
+    if tf.distribute.has_strategy() and strategy_lib.current_pipeline_host() is None:
         raise ValueError(
-            f"load_model must run under a tfpipe.PipelineStrategy scope (or none), not "
+            f"load_model must run under a tfpipe.PipelineStrategy or a "
+            f"tf.distribute.TPUStrategy scope (or none), not "
             f"{type(tf.distribute.get_strategy()).__name__}.")
-    in_scope = strategy_lib.current_pipeline_strategy()
+    in_scope = strategy_lib.current_pipeline_host()
     strategy = in_scope or strategy_lib.PipelineStrategy()
     request = saving.LoadRequest(str(path), balance, settings)
     with saving.loading(request), (strategy.scope() if in_scope is None

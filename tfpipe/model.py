@@ -62,25 +62,23 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
     def __init__(self, stages, num_microbatches=None, recompute=None,
                  input_shape=None, input_dtype="float32", execution=None, schedule=None,
                  batch_norm=None, **kwargs):
-        strategy = strategy_lib.current_pipeline_strategy()
-        if strategy is None and tpu.is_tpu_strategy(tf.distribute.get_strategy()):
-            raise ValueError(
-                "PipelinedModel under a tf.distribute.TPUStrategy is not built yet: tfpipe "
-                "places stages on TPU cores only in its traced tests "
-                "(tfpipe.testing.tpu_strategy). Train with a tfpipe.PipelineStrategy on GPUs "
-                "or CPUs, or the plain Keras model under the TPUStrategy.")
+        # A PipelineStrategy, or the TPUPipelineHost of a TPUStrategy.
+        strategy = strategy_lib.current_pipeline_host()
         if strategy is None and tf.distribute.has_strategy():
             raise ValueError(
-                f"PipelinedModel must be created under a tfpipe.PipelineStrategy "
-                f"scope, not {type(tf.distribute.get_strategy()).__name__}: other "
-                f"strategies override the per-stage device placement.")
+                f"PipelinedModel must be created under a tfpipe.PipelineStrategy or a "
+                f"tf.distribute.TPUStrategy scope, not "
+                f"{type(tf.distribute.get_strategy()).__name__}: other strategies "
+                f"override the per-stage device placement.")
         strategy = strategy or strategy_lib.PipelineStrategy()
         source = kwargs.pop("_source", None)
         super().__init__(**kwargs)
         # Inputs reach the stages as given; each stage converts what it takes.
         _internal.keep_input_types(self)
-        _internal.set_distribute_strategy(self, strategy)
+        _internal.set_distribute_strategy(self, strategy.distribute_strategy)
         self._pipeline_strategy = strategy
+        self._on_tpu = isinstance(strategy, tpu.TPUPipelineHost)
+        self._variable_cores = _VariableCores()  # on a TPU
         self._trace_options = engine.TraceOptions()
         self._source = source
         if source is not None and hasattr(source.model, "output_names"):
@@ -186,7 +184,7 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         """
         if kwargs.get("batch_norm") is not None:
             config_lib.validate_batch_norm(kwargs["batch_norm"])
-        in_scope = strategy_lib.current_pipeline_strategy()
+        in_scope = strategy_lib.current_pipeline_host()
         strategy = in_scope or strategy_lib.PipelineStrategy()
         slots = strategy.max_stages(kwargs.get("schedule") or strategy.schedule)
         graph, balance, method, stages = cutting.cut_model(model, balance, slots, sample)
@@ -241,7 +239,11 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
                        for k in range(len(self.stages))]
             if len(self.replica_pipelines) == 1:
                 columns = list(self.stage_devices)
-            placement.place_variables(self.stages, columns)
+            homes = placement.place_variables(self.stages, columns)
+            if self._on_tpu:
+                self._variable_cores.set(
+                    (v, self.stage_devices[homes[id(v)]])
+                    for stage in self.stages for v in stage.variables)
             batchnorm.check_layers(self.stages, self.batch_norm,
                                    self._pipeline_strategy.num_replicas)
             self._stage_outputs = outputs
@@ -251,7 +253,7 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         self._build_optimizer()
 
     def _strategy_scope(self):
-        if tf.distribute.get_strategy() is self._pipeline_strategy:
+        if tf.distribute.get_strategy() is self._pipeline_strategy.distribute_strategy:
             return contextlib.nullcontext()
         return self._pipeline_strategy.scope()
 
@@ -305,21 +307,29 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         with every stage on one device, else each stage function on its own
         device; Keras' `"auto"` does the latter when every device is a GPU
         (`tfpipe.xla.stage_xla`)."""
+        if self._on_tpu:
+            tpu.check_compile(jit_compile)
         whole, per_stage = xla.stage_xla(jit_compile, self.pipeline_devices,
-                                         self.pipeline_config.traits.stage_functions)
+                                         self.pipeline_config.traits.stage_functions,
+                                         on_tpu=self._on_tpu)
         self._jit_request = jit_compile  # saved as asked (get_compile_config), not as resolved
         if per_stage != self._trace_options.stage_xla:
             self.set_trace_options(stage_xla=per_stage)
         with self._strategy_scope():
             super().compile(*args, jit_compile=whole, **kwargs)
         if self.optimizer is not None:
-            _internal.adopt_optimizer(self.optimizer, self._pipeline_strategy)
+            _internal.adopt_optimizer(self.optimizer, self._pipeline_strategy.distribute_strategy)
+            if self._on_tpu:
+                # Keras' optimizer runs in no device scope inside a TPU replica.
+                _internal.place_optimizer_updates(self.optimizer, self._variable_cores.of)
         self._build_optimizer()
 
     def check_batch_size(self, x, batch_size, what):
         """Refuses batches of `x` that `tfpipe.inputs.check_batch` refuses."""
         static_for = None
-        if self.pipeline_config.traits.in_loop and _internal.jit_compile(self) is True:
+        if self._on_tpu:
+            static_for = "a TPUStrategy (one XLA program per replica)"
+        elif self.pipeline_config.traits.in_loop and _internal.jit_compile(self) is True:
             static_for = "execution='loop' under jit_compile=True"
         inputs_lib.check_batch(x, batch_size, what, self.num_microbatches,
                                self._pipeline_strategy.num_replicas, static_for)
@@ -388,7 +398,20 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         """The compiled loss, split over micro-batches (`tfpipe.loss.LossSplit`)."""
         return loss_lib.LossSplit(_internal.compiled_loss(self))
 
+    def _replica_pipeline(self):
+        """The pipeline of the replica being traced (a TPU's replicas share one)."""
+        if len(self.replica_pipelines) == 1:
+            return self.pipeline
+        return self.replica_pipelines[replicas.replica_index()]
+
     def _update_metrics(self, batch, y_pred, loss, split, term_values):
+        if self._on_tpu:
+            # Next to y_pred, on the last stage's core (else core 0's).
+            with self.pipeline.stage_scope(self.pipeline.num_stages - 1):
+                return self._update_metrics_here(batch, y_pred, loss, split, term_values)
+        return self._update_metrics_here(batch, y_pred, loss, split, term_values)
+
+    def _update_metrics_here(self, batch, y_pred, loss, split, term_values):
         # Once, on the whole batch's outputs, as full-batch training. With
         # replicas, `loss` and `term_values` are this replica's shares: the
         # trackers record the global values weighted by this replica's rows.
@@ -408,7 +431,7 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         batch = self.split_batch(data)
         split = self.loss_split()
         scale = self.optimizer.scale_loss if self.optimizer is not None else None
-        pipeline = self.replica_pipelines[replicas.replica_index()]
+        pipeline = self._replica_pipeline()
         result = pipeline.train(batch, split, scale)
         gradients_lib.check_reached(result.table, result.grads,
                                     [stage.name for stage in self.stages], self.name)
@@ -427,7 +450,7 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
     def test_step(self, data):
         batch = self.split_batch(data)
         split = self.loss_split()
-        pipeline = self.replica_pipelines[replicas.replica_index()]
+        pipeline = self._replica_pipeline()
         y_pred, call_loss = pipeline.forward(batch, training=False)
         with pipeline.stage_scope(pipeline.num_stages - 1):
             data_loss, term_values = split.batch_values(batch.y, y_pred, batch.sample_weight)
@@ -438,8 +461,7 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
 
     def predict_step(self, data):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        pipeline = self.replica_pipelines[replicas.replica_index()]
-        y_pred, _ = pipeline.forward(self.split_batch((x,)))
+        y_pred, _ = self._replica_pipeline().forward(self.split_batch((x,)))
         return y_pred
 
     def pipeline_summary(self):
@@ -502,11 +524,11 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
     def from_config(cls, config, custom_objects=None):
         """Rebuilds a saved pipeline under the current `PipelineStrategy`."""
         config = dict(config)
-        strategy = strategy_lib.current_pipeline_strategy() or strategy_lib.PipelineStrategy()
+        strategy = strategy_lib.current_pipeline_host() or strategy_lib.PipelineStrategy()
         settings = saving.load_settings(config, strategy.given_settings)
         request = saving.current_load_request()
         name, input_dtype = config.pop("name", None), config.pop("input_dtype", "float32")
-        with strategy.scope() if strategy_lib.current_pipeline_strategy() is None \
+        with strategy.scope() if strategy_lib.current_pipeline_host() is None \
                 else contextlib.nullcontext():
             if "source_model" in config:
                 # On the host first: the whole model may not fit on one accelerator.
@@ -542,3 +564,20 @@ class _StageList:
 
     def __init__(self, stages):
         self.stages = list(stages)
+
+
+class _VariableCores:
+    """On a TPU, the `LogicalCore` of each stage variable's home stage, keyed
+    by its TF variable (`keras.Variable.value`, what Keras' optimizer works
+    on); held out of Keras' tracking, updated in place at each build."""
+
+    def __init__(self):
+        self._by_id = {}
+
+    def set(self, pairs):
+        """`pairs`: (keras.Variable, LogicalCore) for every stage variable."""
+        self._by_id = {id(variable.value): core for variable, core in pairs}
+
+    def of(self, variable):
+        """The core of a TF `variable`, or None (an optimizer's own variable)."""
+        return self._by_id.get(id(variable))

@@ -9,6 +9,7 @@ stages eagerly under their device so none of that can happen unnoticed.
 import tensorflow as tf
 
 from tfpipe import _internal
+from tfpipe import devices as devices_lib
 
 
 def available_devices(device_type=None):
@@ -132,10 +133,29 @@ def place_variables(stages, stage_devices):
             if id(v) in homes:
                 continue
             homes[id(v)] = k
-            if misplaced_variables([v], device):
+            wanted = device
+            if isinstance(device, devices_lib.LogicalCore):
+                # A TPU core's variable is mirrored over the replicas by the
+                # TPUStrategy: re-created in the core's scope, wherever it was.
+                _internal.move_variable(v, device.scope(), named_by_path=True)
+                wanted = _tpu_copies_to_check(device)
+                if wanted is None:
+                    continue
+            elif misplaced_variables([v], device):
                 first = device[0] if isinstance(device, (list, tuple)) else device
-                _internal.move_variable(v, first)
-                bad = misplaced_variables([v], device)
-                if bad:  # TensorFlow fell back to another device: never go on
-                    raise RuntimeError(f"tfpipe placement bug: stage {k} variable {bad[0]}.")
+                _internal.move_variable(v, tf.device(first))
+            bad = misplaced_variables([v], wanted)
+            if bad:  # TensorFlow fell back to another device: never go on
+                raise RuntimeError(f"tfpipe placement bug: stage {k} variable {bad[0]}.")
     return homes
+
+
+def _tpu_copies_to_check(core):
+    """The R TPU devices holding `core`'s copies of a variable, or None where
+    this process has no such TPU devices (a strategy that only traces:
+    `tfpipe.testing.tpu_strategy`), whose variables fall back to CPU:0."""
+    names = core.replica_devices()
+    known = available_devices("TPU")
+    if all(any(same_device(name, have) for have in known) for name in names):
+        return names
+    return None

@@ -9,6 +9,7 @@ from tfpipe import _internal
 from tfpipe import config as config_lib
 from tfpipe import placement
 from tfpipe import schedules
+from tfpipe import tpu
 
 
 _STRATEGIES_MADE = itertools.count()
@@ -81,6 +82,12 @@ class PipelineStrategy(tf.distribute.Strategy):
         self._grid = grid
         self._devices = grid[0]
         super().__init__(extended)
+
+    @property
+    def distribute_strategy(self):
+        """The `tf.distribute.Strategy` models in this scope run under: this one
+        (a `tfpipe.tpu.TPUPipelineHost` answers its TPUStrategy)."""
+        return self
 
     @property
     def devices(self):
@@ -207,3 +214,15 @@ def current_pipeline_strategy():
     """The `PipelineStrategy` in scope, or None."""
     strategy = tf.distribute.get_strategy()
     return strategy if isinstance(strategy, PipelineStrategy) else None
+
+
+def current_pipeline_host():
+    """What a `PipelinedModel` made now runs on: the `PipelineStrategy` in
+    scope, the `tfpipe.tpu.TPUPipelineHost` of a `TPUStrategy` in scope, or
+    None (no strategy, or another kind)."""
+    strategy = tf.distribute.get_strategy()
+    if isinstance(strategy, PipelineStrategy):
+        return strategy
+    if tpu.is_tpu_strategy(strategy):
+        return tpu.host_of(strategy)
+    return None

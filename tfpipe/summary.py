@@ -30,7 +30,7 @@ def stage_table(stages, stage_devices, outputs, config, num_devices, replica_dev
         seen.update(id(v) for v in own)
         params = sum(int(np.prod(v.shape)) for v in own)
         shape = "" if outputs[i] is None else describe_shapes(outputs[i])
-        lines.append(f"{i:<7}{stage.name:<24}{device:<46}{n_layers:>7}{params:>12,}  "
+        lines.append(f"{i:<7}{stage.name:<24}{str(device):<46}{n_layers:>7}{params:>12,}  "
                      f"{shape}")
     if len(replica_devices) > 1:
         lines.append(

@@ -107,14 +107,17 @@ class _TracingOnlyResolver(tf.distribute.cluster_resolver.ClusterResolver):
         return _internal.tpu_metadata(self.topology, self.device_names)
 
 
-def tpu_strategy(topology="v3-8", cores_per_replica=2, num_replicas=1):
+def tpu_strategy(topology="v3-8", cores_per_replica=2, num_replicas=1,
+                 spmd_xla_partitioning=False):
     """A real `tf.distribute.TPUStrategy` over TPU cores that do not exist:
     it *traces* TPU programs on a CPU-only machine (`tpu.replicate`,
     `TPUReplicateMetadata`, ops on `/device:TPU_REPLICATED_CORE:k`) but
     cannot run them (executing fails: there is no TPU kernel).
 
     `topology`: a name of `TPU_TOPOLOGIES`; `cores_per_replica` K (1, 2, 4
-    or 8, within the host) and `num_replicas` R, K x R at most its cores.
+    or 8, within the host) and `num_replicas` R, K x R at most its cores;
+    `spmd_xla_partitioning`: TPUStrategy's `experimental_spmd_xla_partitioning`.
+    A `PipelinedModel` made in its scope puts stage k on logical core k.
 
     >>> strategy = tfpipe.testing.tpu_strategy("v3-8", cores_per_replica=2)  # doctest: +SKIP
     >>> strategy.extended.experimental_logical_device(1)  # stage 1's core  # doctest: +SKIP
@@ -137,4 +140,5 @@ def tpu_strategy(topology="v3-8", cores_per_replica=2, num_replicas=1):
         _topology(mesh), computation_shape=shapes[cores_per_replica],
         num_replicas=num_replicas)
     return tf.distribute.TPUStrategy(_TracingOnlyResolver(assignment.topology),
-                                     experimental_device_assignment=assignment)
+                                     experimental_device_assignment=assignment,
+                                     experimental_spmd_xla_partitioning=spmd_xla_partitioning)

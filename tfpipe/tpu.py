@@ -1,15 +1,28 @@
 """Pipeline stages on the cores of a TPU replica.
 
-tfpipe puts stage k on logical core k of every replica of a TPUStrategy
-(`tfpipe.devices.LogicalCore`); the replica step is one XLA program, so
-shapes must be static. Logical core k is not TPU device k: `stage_cores` says
-which host task and core ordinal it is. Untested on TPU hardware.
+Under a user's `tf.distribute.TPUStrategy` whose device assignment gives each
+replica K cores, tfpipe puts stage k on logical core k of every replica
+(`tfpipe.devices.LogicalCore`): its variables, optimizer slots, forward and
+backward ops, micro-batch gradient sums, cross-replica all-reduce and
+updates. `TPUPipelineHost` is what a `PipelinedModel` asks of such a
+strategy (the counterpart of `tfpipe.PipelineStrategy`). The replica step is
+one XLA program, so every batch has one static size. Logical core k is not
+TPU device k: `stage_cores` says which host task and core ordinal it is.
+
+Traced on CPU (`tfpipe.testing.tpu_strategy`); not yet run on TPU hardware
+(`benchmarks/tpu_check.py` is the script that would).
 """
 
 import typing
+import weakref
 
 import numpy as np
 import tensorflow as tf
+
+from tfpipe import _internal
+from tfpipe import config as config_lib
+from tfpipe import devices as devices_lib
+from tfpipe import schedules
 
 
 class StageCore(typing.NamedTuple):
@@ -77,3 +90,102 @@ def is_tpu_strategy(strategy):
                               getattr(tf.compat.v1.distribute.experimental, "TPUStrategy",
                                       None)) if k is not None)
     return isinstance(strategy, kinds)
+
+
+class TPUPipelineHost:
+    """What a `PipelinedModel` asks of its strategy, for a `TPUStrategy`:
+    the stage slots (K logical cores per replica), the stage devices
+    (`LogicalCore`s), the replicas R, and the default settings (tfpipe's:
+    a TPUStrategy takes no pipeline settings; give them to the model).
+    Get it with `host_of(strategy)`; one per strategy."""
+
+    def __init__(self, strategy):
+        if _internal.tpu_uses_spmd(strategy):
+            raise ValueError(
+                "PipelinedModel under a TPUStrategy with experimental_spmd_xla_partitioning="
+                "True: XLA's SPMD partitioner would split every op over the replica's cores, "
+                "not run stage k on core k. Make the TPUStrategy without it (the default).")
+        self.distribute_strategy = strategy
+        self.cores_per_replica = _internal.tpu_cores_per_replica(strategy)
+        self._config = config_lib.PipelineConfig.make()
+
+    @property
+    def config(self):
+        """The default `PipelineConfig` (tfpipe's defaults)."""
+        return self._config
+
+    @property
+    def schedule(self):
+        return self._config.schedule
+
+    @property
+    def given_settings(self):
+        """Settings given to the strategy: none (a TPUStrategy takes none)."""
+        return {}
+
+    @property
+    def num_replicas(self):
+        """R, the data-parallel replicas (`num_replicas_in_sync`)."""
+        return self.distribute_strategy.num_replicas_in_sync
+
+    @property
+    def device_grid(self):
+        """One row, the K logical cores: every replica runs the same program."""
+        return (tuple(devices_lib.LogicalCore(self.distribute_strategy, k)
+                      for k in range(self.cores_per_replica)),)
+
+    @property
+    def num_stages(self):
+        return self.max_stages(self._config.schedule)
+
+    def max_stages(self, schedule):
+        """The most stages `schedule` can place on one replica's cores."""
+        schedule = schedules.get(schedule)
+        if isinstance(schedule, schedules.Table):
+            return schedule.num_stages(len(schedule.table))
+        return schedule.num_stages(self.cores_per_replica)
+
+    def pipeline_devices(self, num_stages, schedule=None, replica=0):
+        """(cores, stage_cores) for a model of `num_stages` stages, as
+        `PipelineStrategy.pipeline_devices`; raises ValueError if a replica's
+        K cores cannot hold them."""
+        del replica  # every replica runs on its own cores 0..K-1
+        schedule = self._config.schedule if schedule is None else schedules.get(schedule)
+        count = schedules.devices_needed(schedule, num_stages)
+        if count > self.cores_per_replica:
+            most = schedule.num_stages(self.cores_per_replica)
+            raise ValueError(
+                f"{num_stages} stages but the TPUStrategy gives each replica "
+                f"{self.cores_per_replica} core(s), so at most {most} stages fit; cut the "
+                f"model into at most {most} stages (balance=...), or make the TPUStrategy "
+                f"with a DeviceAssignment of {count} cores per replica "
+                f"(computation_shape whose product is {count}).")
+        cores = self.device_grid[0][:count]
+        return cores, tuple(cores[schedule.stage_device(k, count)] for k in range(num_stages))
+
+    def scope(self):
+        return self.distribute_strategy.scope()
+
+    def __repr__(self):
+        return (f"TPUPipelineHost({self.num_replicas} replica(s) x {self.cores_per_replica} "
+                f"core(s))")
+
+
+_HOSTS = weakref.WeakKeyDictionary()
+
+
+def host_of(strategy):
+    """The one `TPUPipelineHost` of a `TPUStrategy`."""
+    if strategy not in _HOSTS:
+        _HOSTS[strategy] = TPUPipelineHost(strategy)
+    return _HOSTS[strategy]
+
+
+def check_compile(jit_compile):
+    """Refuses `jit_compile=True` under a TPUStrategy: the TPU compiles each
+    replica's step itself; Keras' own jit_compile would nest a second one."""
+    if jit_compile is True:
+        raise ValueError(
+            "PipelinedModel.compile(jit_compile=True) under a TPUStrategy: the TPU already "
+            "compiles each replica's whole step as one XLA program. Leave jit_compile "
+            "unset (\"auto\") or pass False.")

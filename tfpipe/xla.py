@@ -92,16 +92,19 @@ def static_batch_problem(x, batch_size, num_microbatches):
     return None
 
 
-def check_static_batch(x, batch_size, num_microbatches, what, reason):
+def check_static_batch(x, batch_size, num_microbatches, what, reason, num_replicas=1):
     """Raises a `ValueError` naming the fix if `static_batch_problem` finds
     one; `what` is the call (`"fit"`), `reason` why static batches are needed
-    (`"a TPU"`)."""
-    problem = static_batch_problem(x, batch_size, num_microbatches)
+    (`"a TPU"`). With R = `num_replicas` replicas each global batch is split
+    R ways, then M ways: it must be a multiple of R x M."""
+    m, r = int(num_microbatches), int(num_replicas)
+    problem = static_batch_problem(x, batch_size, m * r)
     if problem is None:
         return
-    m = int(num_microbatches)
+    multiple = (f"num_microbatches={m}" if r == 1 else
+                f"num_replicas x num_microbatches = {r} x {m} = {m * r}")
     raise ValueError(
         f"{what}: {reason} needs every batch to have the same static size, a multiple of "
-        f"num_microbatches={m}, but {problem}. Use a tf.data.Dataset batched with .batch(n, "
-        f"drop_remainder=True) where n is a multiple of {m} (a ragged batch needs "
+        f"{multiple}, but {problem}. Use a tf.data.Dataset batched with .batch(n, "
+        f"drop_remainder=True) where n is a multiple of {m * r} (a ragged batch needs "
         f"drop_remainder=True), or arrays whose length is a multiple of batch_size.")

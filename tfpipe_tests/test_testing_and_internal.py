@@ -90,7 +90,7 @@ def test_grid_strategy_mirrors_each_variable_over_its_column():
             slot = tf.Variable(0.0)
         layer = keras.layers.Dense(2)
         layer.build((None, 3))
-        _internal.move_variable(layer.kernel, "/device:CPU:1")
+        _internal.move_variable(layer.kernel, tf.device("/device:CPU:1"))
     assert copies(v) == copies(slot) == ["device:CPU:1", "device:CPU:3"]
     assert copies(unplaced) == ["device:CPU:0", "device:CPU:2"]
     assert copies(layer.kernel) == ["device:CPU:1", "device:CPU:3"]
@@ -124,9 +124,46 @@ def test_move_variable_keeps_the_keras_variable_and_its_value():
     layer = keras.layers.Dense(2)
     layer.build((None, 3))
     kernel, value = layer.kernel, layer.kernel.numpy()
-    _internal.move_variable(kernel, "/device:CPU:3")
+    _internal.move_variable(kernel, tf.device("/device:CPU:3"))
     assert layer.kernel is kernel and kernel.value.device.endswith("CPU:3")
     assert (kernel.numpy() == value).all()
+    _internal.move_variable(kernel, tf.device("/device:CPU:2"), named_by_path=True)
+    assert kernel.value.name == kernel.path + ":0" and kernel.value.device.endswith("CPU:2")
+    assert (kernel.numpy() == value).all()
+
+
+def test_tpu_strategy_internals_and_optimizer_placement():
+    """The TPUStrategy's cores and SPMD flag; the optimizer wrapped to work in
+    each variable's device scope (its update, all-reduce and weight decay);
+    the functions a traced graph defines."""
+    strategy = tfpipe.testing.tpu_strategy("v3-8", cores_per_replica=2, num_replicas=2)
+    assert [[d.split("/")[-1] for d in row] for row in _internal.tpu_core_devices(strategy)] \
+        == [["device:TPU:0", "device:TPU:1"], ["device:TPU:4", "device:TPU:5"]]
+    assert _internal.tpu_cores_per_replica(strategy) == 2
+    assert not _internal.tpu_uses_spmd(strategy)
+    assert _internal.tpu_uses_spmd(tfpipe.testing.tpu_strategy("v3-8", 2,
+                                                               spmd_xla_partitioning=True))
+    devices = [tfpipe.devices.StageDevice("/device:CPU:1"),
+               tfpipe.devices.StageDevice("/device:CPU:2")]
+    a, b = keras.Variable(np.ones(2, "float32")), keras.Variable(np.ones(3, "float32"))
+    where = {id(a.value): devices[0], id(b.value): devices[1]}
+    optimizer = keras.optimizers.AdamW(learning_rate=0.1, weight_decay=0.5)
+    _internal.place_optimizer_updates(optimizer, lambda v: where.get(id(v)))
+    optimizer.build([a, b])
+
+    @tf.function
+    def step():
+        optimizer.apply_gradients([(tf.ones(2), a), (tf.ones(3), b)])
+    graph = step.get_concrete_function().graph
+    # Every write but the step counter's (Keras' own, outside its name scope).
+    writes = [op.device.split("/")[-1] for op in graph.get_operations()
+              if op.type.startswith("Assign") and op.name.startswith("adam_w/")]
+    assert sorted(writes) == ["device:CPU:1"] * 4 + ["device:CPU:2"] * 4, writes
+    decays = [op for op in graph.get_operations() if op.type == "AssignSubVariableOp"]
+    assert decays and all(op.device for op in decays)
+    f = tf.function(lambda x: tf.cond(x > 0, lambda: x, lambda: -x))
+    functions = _internal.graph_functions(f.get_concrete_function(tf.TensorSpec(())).graph)
+    assert len(functions) == 2 and all(hasattr(g, "get_operations") for g in functions.values())
 
 
 def test_layer_internals_used_for_graphs_losses_and_batch_norm():

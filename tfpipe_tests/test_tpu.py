@@ -193,10 +193,3 @@ def test_tpu_strategy_on_cpu_traces_a_replicated_program_on_k_cores(topology, co
 def test_tpu_strategy_refuses_what_the_host_cannot_hold(args, message):
     with pytest.raises(ValueError, match=message):
         tfpipe.testing.tpu_strategy(*args)
-
-
-def test_a_pipelined_model_under_a_tpu_strategy_is_refused_as_not_built():
-    with tfpipe.testing.tpu_strategy("v3-8", 2).scope():
-        with pytest.raises(ValueError, match=r"under a tf.distribute.TPUStrategy is not built "
-                                             r"yet.*tfpipe.PipelineStrategy"):
-            tfpipe.PipelinedModel([keras.layers.Dense(2), keras.layers.Dense(1)])
