@@ -295,6 +295,37 @@ def median(values):
     return statistics.median(values) if values else None
 
 
+# -- the prepared device checks (gpu_check, tpu_check) ------------------------------------
+
+
+def twin(model):
+    """A plain Keras copy of `model` with the same weights."""
+    import keras  # pylint: disable=import-outside-toplevel
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    return copy
+
+
+def step_ms(model, x, y, repeats):
+    """Median ms of one `train_on_batch` after two warm-up steps."""
+    for _ in range(2):
+        model.train_on_batch(x, y)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model.train_on_batch(x, y)
+        times.append((time.perf_counter() - start) * 1e3)
+    return median(times)
+
+
+def not_run(check, output, reason):
+    """A device check without its device: says why, writes {"ran": false,
+    "reason": ...} to `output`; returns the exit status, 0."""
+    print(f"{check}: not run: {reason}.")
+    write_json(output, {"ran": False, "reason": reason})
+    return 0
+
+
 # -- tables and files ---------------------------------------------------------------------
 
 

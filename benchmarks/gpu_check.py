@@ -72,13 +72,6 @@ def _reference(size, seed=0):
     return keras.Sequential([keras.Input((size["width"],))] + layers)
 
 
-def _twin(ref):
-    import keras  # pylint: disable=import-outside-toplevel
-    copy = keras.models.clone_model(ref)
-    copy.set_weights(ref.get_weights())
-    return copy
-
-
 def _data(size, batches, seed=0):
     import numpy as np  # pylint: disable=import-outside-toplevel
     x = np.random.default_rng(seed).normal(
@@ -91,7 +84,7 @@ def _pipelined(ref, devices, m, schedule="gpipe", recompute="never", execution=N
     import tfpipe  # pylint: disable=import-outside-toplevel
     with tfpipe.PipelineStrategy(devices=devices, num_microbatches=m, schedule=schedule,
                                  recompute=recompute, execution=execution).scope():
-        model = tfpipe.PipelinedModel.from_model(_twin(ref))
+        model = tfpipe.PipelinedModel.from_model(common.twin(ref))
         model.compile(optimizer="adam", loss="mse", jit_compile=jit_compile)
     return model
 
@@ -106,7 +99,7 @@ def check_exactness(devices, size, steps):
         for schedule in ("gpipe", "1f1b"):
             ref = _reference(size)
             with tf.device(devices[0]):
-                plain = _twin(ref)
+                plain = common.twin(ref)
                 plain.compile(optimizer="adam", loss="mse")
                 plain.fit(x, y, batch_size=size["batch"], shuffle=False, verbose=0)
             model = _pipelined(ref, devices[:k], 4, schedule)
@@ -135,27 +128,15 @@ def check_placement(devices, size):
     return rows
 
 
-def _step_ms(model, x, y, repeats):
-    """Median ms of one `train_on_batch` after two warm-up steps."""
-    for _ in range(2):
-        model.train_on_batch(x, y)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        model.train_on_batch(x, y)
-        times.append((time.perf_counter() - start) * 1e3)
-    return common.median(times)
-
-
 def check_speedup(devices, size, repeats):
     """K = 2, M in {1, 4, 8}: step ms, one-device ms, speed-up, simulated ideal."""
     import tfpipe  # pylint: disable=import-outside-toplevel
     x, y = _data(size, 1)
     ref = _reference(size)
-    single = _step_ms(_pipelined(ref, devices[:1], 1), x, y, repeats)
+    single = common.step_ms(_pipelined(ref, devices[:1], 1), x, y, repeats)
     rows = []
     for m in (1, 4, 8):
-        step = _step_ms(_pipelined(ref, devices[:2], m), x, y, repeats)
+        step = common.step_ms(_pipelined(ref, devices[:2], m), x, y, repeats)
         ideal = 6.0 * m / tfpipe.schedules.simulate("gpipe", m, 2, 1.0, 2.0).makespan
         rows.append(dict(stages=2, microbatches=m, step_ms=step, one_device_ms=single,
                          speedup=single / step, ideal=ideal))
@@ -173,7 +154,7 @@ def check_xla(devices, size, repeats, steps):
     batch = (x[:size["batch"]], y[:size["batch"]])
     ref = _reference(size)
     with tf.device(devices[0]):
-        plain = _twin(ref)
+        plain = common.twin(ref)
         plain.compile(optimizer="adam", loss="mse", jit_compile=False)
         plain.fit(x, y, batch_size=size["batch"], shuffle=False, verbose=0)
     rows = []
@@ -184,7 +165,7 @@ def check_xla(devices, size, repeats, steps):
             weights = lambda m: m.source_model.get_weights()  # noqa: E731
         else:
             with tf.device(devices[0]):
-                model = _twin(ref)
+                model = common.twin(ref)
                 model.compile(optimizer="adam", loss="mse", jit_compile=jit)
             weights = lambda m: m.get_weights()  # noqa: E731
         model.fit(x, y, batch_size=size["batch"], shuffle=False, verbose=0)
@@ -192,7 +173,7 @@ def check_xla(devices, size, repeats, steps):
                    for a, b in zip(plain.get_weights(), weights(model)))
         rows.append(dict(model=name, xla="per stage" if jit and pipelined else
                          ("whole step" if jit else "off"), max_abs_diff=diff,
-                         step_ms=_step_ms(model, *batch, repeats)))
+                         step_ms=common.step_ms(model, *batch, repeats)))
     off = {r["model"]: r["step_ms"] for r in rows if r["xla"] == "off"}
     for r in rows:
         r["vs_no_xla"] = off[r["model"]] / r["step_ms"]
@@ -257,9 +238,7 @@ def main(argv):
     absent = None if f.cpu_dry_run else _no_gpu()
     kind, devices = (None, absent) if absent else _devices(f.cpu_dry_run, f.memory_limit_mib)
     if kind is None:
-        print(f"gpu_check: not run: {devices}.")
-        common.write_json(f.output, {"ran": False, "reason": devices})
-        return 0
+        return common.not_run("gpu_check", f.output, devices)
     size = dict(layers=8, width=32, batch=32) if f.cpu_dry_run else \
         dict(layers=8, width=2048, batch=512)  # big enough to keep a chip busy
     results = dict(ran=True, device_kind=kind, devices=devices, model=size,

@@ -2,6 +2,7 @@
 
 import fcntl
 import itertools
+import json
 import os
 import pathlib
 import shutil
@@ -268,6 +269,14 @@ def run_child(args, timeout, env=None):
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     done.pid = proc.pid
     return done
+
+
+def run_device_check(module, tmp_path, *flags, env=None, timeout=900):
+    """Runs a prepared device check (`benchmarks.gpu_check`, `benchmarks.tpu_check`)
+    with `flags` in a child process: (the process, the JSON it wrote)."""
+    out = tmp_path / "result.json"
+    done = run_child(["-m", module, f"--output={out}", *flags], timeout, env=env)
+    return done, json.loads(out.read_text())
 
 
 def process_alive(pid):

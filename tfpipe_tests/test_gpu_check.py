@@ -1,25 +1,15 @@
 """benchmarks/gpu_check.py: without a GPU it says so and exits 0; its
 `--cpu_dry_run` runs every check on logical CPUs (real subprocesses)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from tfpipe_tests import conftest
+from tfpipe_tests import helpers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def _run(tmp_path, *flags, timeout=600):
-    out = tmp_path / "result.json"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", f"--output={out}",
-                           *flags], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)
-    return proc, json.loads(out.read_text())
+def _run(tmp_path, *flags):
+    return helpers.run_device_check("benchmarks.gpu_check", tmp_path, *flags,
+                                    env={"CUDA_VISIBLE_DEVICES": ""})
 
 
 def test_without_a_gpu_it_says_so_and_exits_cleanly(tmp_path):
