@@ -22,24 +22,24 @@ RESIDUE = {"StridedSlice", "Cast", "ReadVariableOp", "AssignVariableOp", "FloorD
            "ConcatV2", "Reshape", "GatherV2", "TensorListReserve", "While", "Shape"}
 
 
-def _units(k):
+def _units(stages):
     """A classifier from outside tfpipe's own tests: softmax head, Keras' default
-    sparse cross-entropy, a nested Sequential block; k + 1 (k = 2) or k units."""
+    sparse cross-entropy, a nested Sequential block; 3 units (2 stages) or 4."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,), name="features")
     h = keras.layers.Dense(16, activation="relu", name="d0")(inputs)
     h = keras.Sequential([keras.layers.Dense(16, activation="tanh", name="d1")],
                          name="block")(h)
-    if k == 4:
+    if stages == 4:
         h = keras.layers.Dense(16, activation="relu", name="d2")(h)
     outputs = keras.layers.Dense(4, activation="softmax", name="head")(h)
     return keras.Model(inputs, outputs, name="classifier")
 
 
-def _pipelined(strategy, k, **settings):
-    plain = _units(k)
+def _pipelined(strategy, stages, **settings):
+    plain = _units(stages)
     with strategy.scope():
-        balance = [2, 1] if k == 2 else [1] * k
+        balance = [2, 1] if stages == 2 else [1] * stages
         model = tfpipe.PipelinedModel.from_model(plain, balance=balance, **settings)
         model.compile(optimizer=keras.optimizers.AdamW(weight_decay=0.01),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
@@ -50,29 +50,33 @@ def _specs(global_batch):
     return tf.TensorSpec((global_batch, 8)), tf.TensorSpec((global_batch,), tf.int32)
 
 
-# (K cores per replica, R replicas, schedule, execution, recompute): K x R, the
-# schedules, executions and recompute modes pairwise.
+# (K cores per replica, R replicas, stages, schedule, execution, recompute): K x R,
+# the schedules, executions and recompute modes pairwise; interleaved puts two
+# stages on each core.
 PROGRAMS = [
-    (2, 1, "gpipe", "unrolled", "never"),
-    (4, 1, "1f1b", "unrolled", "always"),
-    (2, 4, "zbh1", "unrolled", "except_last"),
-    (4, 2, "gpipe", "stage_functions", "except_last"),
-    (2, 4, "gpipe", "loop", "always"),
-    (4, 1, "1f1b", "loop", "always"),
+    (2, 1, 2, "gpipe", "unrolled", "never"),
+    (4, 1, 4, "1f1b", "unrolled", "always"),
+    (2, 4, 2, "zbh1", "unrolled", "except_last"),
+    (4, 2, 4, "gpipe", "stage_functions", "except_last"),
+    (2, 4, 2, "gpipe", "loop", "always"),
+    (4, 1, 4, "1f1b", "loop", "always"),
+    (2, 2, 4, "interleaved", "unrolled", "always"),
 ]
 
 
-@pytest.mark.parametrize("k, r, schedule, execution, recompute", PROGRAMS)
-def test_every_stage_runs_on_its_core(k, r, schedule, execution, recompute):
+@pytest.mark.parametrize("k, r, stages, schedule, execution, recompute", PROGRAMS)
+def test_every_stage_runs_on_its_core(k, r, stages, schedule, execution, recompute):
     strategy = tfpipe.testing.tpu_strategy("v3-8", cores_per_replica=k, num_replicas=r)
-    plain, model = _pipelined(strategy, k, num_microbatches=4, schedule=schedule,
+    plain, model = _pipelined(strategy, stages, num_microbatches=4, schedule=schedule,
                               execution=execution, recompute=recompute)
-    assert [str(d) for d in model.stage_devices] == [f"TPU logical core {i}" for i in range(k)]
+    cores = [tfpipe.schedules.get(schedule).stage_device(i, k) for i in range(stages)]
+    assert [str(d) for d in model.stage_devices] == [f"TPU logical core {c}" for c in cores]
     placed = tpu_trace.read(tpu_trace.trace_train_step(model, *_specs(8 * r)))
     assert (placed.num_replicas, placed.cores_per_replica) == (r, k)
     # Each stage variable is mirrored over the R replicas, named by its path,
     # and read, decayed and updated only on its stage's core; so are its slots.
-    homes = {v.path: i for i, stage in enumerate(model.stages) for v in stage.trainable_weights}
+    homes = {v.path: cores[i] for i, stage in enumerate(model.stages)
+             for v in stage.trainable_weights}
     assert len(homes) == 2 * len(plain.layers[1:]) and set(homes.values()) == set(range(k))
     for path, home in homes.items():
         variable = next(v for v in model.trainable_variables if v.path == path)
