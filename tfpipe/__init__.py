@@ -23,7 +23,8 @@ _PUBLIC = {
     "to_keras": ("tfpipe.saving", "to_keras"),
     "StepWatchdog": ("tfpipe.watchdog", "StepWatchdog"),
 }
-_PUBLIC_MODULES = ("config", "schedules", "profile", "watchdog", "cluster", "testing")
+_PUBLIC_MODULES = ("config", "schedules", "profile", "watchdog", "cluster", "testing", "tpu",
+                   "tpu_trace")
 
 __all__ = sorted(_PUBLIC) + list(_PUBLIC_MODULES) + ["__version__"]
 
