@@ -145,11 +145,13 @@ def check_program(make_strategy, size):
         batch = size["batch"] * strategy.num_replicas_in_sync
         placed = tpu_trace.read(tpu_trace.trace_train_step(
             model, tf.TensorSpec((batch, size["width"])), tf.TensorSpec((batch,), tf.int32)))
-        homes = {v.path: i for i, s in enumerate(model.stages) for v in s.trainable_weights}
-        wrong = [n for n, cores in placed.handles.items()
-                 if any(n == p or n.endswith((p.replace("/", "_") + "_momentum",
-                                              p.replace("/", "_") + "_velocity"))
-                        for p in homes) and cores != [homes[_path_of(n, homes)]]]
+        # Each stage variable's handle and its two AdamW slots', on its core.
+        handles = {v.path: (i, placed.variable_handles(v.path))
+                   for i, stage in enumerate(model.stages) for v in stage.trainable_weights}
+        wrong = [name for home, found in handles.values()
+                 for name, cores in found.items() if cores != [home]]
+        wrong += [f"{path} (found {len(found)} of 3 handles)"
+                  for path, (_, found) in handles.items() if len(found) != 3]
         rows.append(dict(stages=k, replicas=placed.num_replicas,
                          cores_per_replica=placed.cores_per_replica,
                          matmuls_per_core=[placed.matmuls[c] for c in range(k)],
@@ -158,10 +160,6 @@ def check_program(make_strategy, size):
                          placed=not wrong and not placed.unplaced_work
                          and placed.matmuls[None] == 0))
     return rows
-
-
-def _path_of(handle, homes):
-    return next(p for p in homes if handle == p or p.replace("/", "_") in handle)
 
 
 def check_placement(make_strategy, size, on_tpu):

@@ -307,8 +307,6 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         with every stage on one device, else each stage function on its own
         device; Keras' `"auto"` does the latter when every device is a GPU
         (`tfpipe.xla.stage_xla`)."""
-        if self._on_tpu:
-            tpu.check_compile(jit_compile)
         whole, per_stage = xla.stage_xla(jit_compile, self.pipeline_devices,
                                          self.pipeline_config.traits.stage_functions,
                                          on_tpu=self._on_tpu)
@@ -405,27 +403,24 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         return self.replica_pipelines[replicas.replica_index()]
 
     def _update_metrics(self, batch, y_pred, loss, split, term_values):
-        if self._on_tpu:
-            # Next to y_pred, on the last stage's core (else core 0's).
-            with self.pipeline.stage_scope(self.pipeline.num_stages - 1):
-                return self._update_metrics_here(batch, y_pred, loss, split, term_values)
-        return self._update_metrics_here(batch, y_pred, loss, split, term_values)
-
-    def _update_metrics_here(self, batch, y_pred, loss, split, term_values):
-        # Once, on the whole batch's outputs, as full-batch training. With
+        # Once, on the whole batch's outputs, as full-batch training; on a TPU
+        # next to y_pred, on the last stage's core (else on core 0). With
         # replicas, `loss` and `term_values` are this replica's shares: the
         # trackers record the global values weighted by this replica's rows.
-        loss, term_values = replicas.sum_over_replicas((loss, list(term_values)))
-        _internal.loss_tracker(self).update_state(loss, sample_weight=batch.split.num_rows)
-        arranged = split.arrange(batch.y, y_pred, None)[1] if split.terms else None
-        for metric, value, term in zip(split.trackers, term_values, split.terms):
-            y_p = loss_lib.resolve(term.path, arranged)
-            metric.update_state(value, sample_weight=keras.tree.flatten(y_p)[0].shape[0])
-        logs = self.compute_metrics(batch.x, batch.y, y_pred, sample_weight=batch.sample_weight)
-        if replicas.num_replicas() == 1:
-            return logs
-        # Each replica's metric state holds its own rows: read the sum over replicas.
-        return replicas.across_replicas(self.get_metrics_result)
+        with (self.pipeline.stage_scope(self.pipeline.num_stages - 1) if self._on_tpu
+              else contextlib.nullcontext()):
+            loss, term_values = replicas.sum_over_replicas((loss, list(term_values)))
+            _internal.loss_tracker(self).update_state(loss, sample_weight=batch.split.num_rows)
+            arranged = split.arrange(batch.y, y_pred, None)[1] if split.terms else None
+            for metric, value, term in zip(split.trackers, term_values, split.terms):
+                y_p = loss_lib.resolve(term.path, arranged)
+                metric.update_state(value, sample_weight=keras.tree.flatten(y_p)[0].shape[0])
+            logs = self.compute_metrics(batch.x, batch.y, y_pred,
+                                        sample_weight=batch.sample_weight)
+            if replicas.num_replicas() == 1:
+                return logs
+            # Each replica's metric state holds its own rows: read the sum over replicas.
+            return replicas.across_replicas(self.get_metrics_result)
 
     def train_step(self, data):
         batch = self.split_batch(data)
@@ -515,7 +510,7 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         if config.get("jit_compile") is True:
             try:  # XLA was accepted for the saved layout; this one may not take it
                 xla.stage_xla(True, self.pipeline_devices,
-                              self.pipeline_config.traits.stage_functions)
+                              self.pipeline_config.traits.stage_functions, self._on_tpu)
             except ValueError:
                 config["jit_compile"] = False
         self.compile(**config)

@@ -419,6 +419,26 @@ def devices_needed(schedule, num_stages, num_microbatches=None, spell=ARGUMENTS)
     return count
 
 
+def max_stages(schedule, num_devices):
+    """The most stages `schedule` (instance or name) places on `num_devices`
+    devices (a `Table`: its own stage count)."""
+    schedule = get(schedule)
+    if isinstance(schedule, Table):
+        return schedule.num_stages(len(schedule.table))
+    return schedule.num_stages(num_devices)
+
+
+def stage_devices(schedule, num_stages, devices):
+    """(the first D of `devices` that `schedule` runs `num_stages` stages on,
+    each stage's device among them), or None when `devices` are too few."""
+    schedule = get(schedule)
+    count = devices_needed(schedule, num_stages)
+    if count > len(devices):
+        return None
+    used = tuple(devices[:count])
+    return used, tuple(used[schedule.stage_device(k, count)] for k in range(num_stages))
+
+
 def to_config(schedule):
     """A JSON-friendly description of a schedule: {"class": ..., "config": ...}."""
     schedule = get(schedule)

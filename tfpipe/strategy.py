@@ -114,10 +114,7 @@ class PipelineStrategy(tf.distribute.Strategy):
 
     def max_stages(self, schedule):
         """The most stages `schedule` can place on this strategy's devices."""
-        schedule = schedules.get(schedule)
-        if isinstance(schedule, schedules.Table):
-            return schedule.num_stages(len(schedule.table))
-        return schedule.num_stages(len(self._devices))
+        return schedules.max_stages(schedule, len(self._devices))
 
     def pipeline_devices(self, num_stages, schedule=None, replica=0):
         """(devices, stage_devices) for a model of `num_stages` stages: the D
@@ -125,15 +122,15 @@ class PipelineStrategy(tf.distribute.Strategy):
         row) and the one holding each stage. `schedule` defaults to the
         strategy's. Raises ValueError if it cannot place them here."""
         schedule = self._config.schedule if schedule is None else schedules.get(schedule)
-        count = schedules.devices_needed(schedule, num_stages)
-        if count > len(self._devices):
-            most = schedule.num_stages(len(self._devices))
+        placed = schedules.stage_devices(schedule, num_stages, self._grid[replica])
+        if placed is None:
+            most = self.max_stages(schedule)
+            count = schedules.devices_needed(schedule, num_stages)
             raise ValueError(
                 f"{num_stages} stages but the strategy has only {most} stage slots on "
                 f"{len(self._devices)} devices ({list(self._devices)}); use at most {most} stages, "
                 f"or more devices (e.g. tfpipe.testing.use_logical_cpus({count}) on CPU).")
-        devices = self._grid[replica][:count]
-        return devices, tuple(devices[schedule.stage_device(k, count)] for k in range(num_stages))
+        return placed
 
     @property
     def config(self):

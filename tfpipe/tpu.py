@@ -140,10 +140,7 @@ class TPUPipelineHost:
 
     def max_stages(self, schedule):
         """The most stages `schedule` can place on one replica's cores."""
-        schedule = schedules.get(schedule)
-        if isinstance(schedule, schedules.Table):
-            return schedule.num_stages(len(schedule.table))
-        return schedule.num_stages(self.cores_per_replica)
+        return schedules.max_stages(schedule, self.cores_per_replica)
 
     def pipeline_devices(self, num_stages, schedule=None, replica=0):
         """(cores, stage_cores) for a model of `num_stages` stages, as
@@ -151,17 +148,17 @@ class TPUPipelineHost:
         K cores cannot hold them."""
         del replica  # every replica runs on its own cores 0..K-1
         schedule = self._config.schedule if schedule is None else schedules.get(schedule)
-        count = schedules.devices_needed(schedule, num_stages)
-        if count > self.cores_per_replica:
-            most = schedule.num_stages(self.cores_per_replica)
+        placed = schedules.stage_devices(schedule, num_stages, self.device_grid[0])
+        if placed is None:
+            most = self.max_stages(schedule)
+            count = schedules.devices_needed(schedule, num_stages)
             raise ValueError(
                 f"{num_stages} stages but the TPUStrategy gives each replica "
                 f"{self.cores_per_replica} core(s), so at most {most} stages fit; cut the "
                 f"model into at most {most} stages (balance=...), or make the TPUStrategy "
                 f"with a DeviceAssignment of {count} cores per replica "
                 f"(computation_shape whose product is {count}).")
-        cores = self.device_grid[0][:count]
-        return cores, tuple(cores[schedule.stage_device(k, count)] for k in range(num_stages))
+        return placed
 
     def scope(self):
         return self.distribute_strategy.scope()
@@ -180,12 +177,3 @@ def host_of(strategy):
         _HOSTS[strategy] = TPUPipelineHost(strategy)
     return _HOSTS[strategy]
 
-
-def check_compile(jit_compile):
-    """Refuses `jit_compile=True` under a TPUStrategy: the TPU compiles each
-    replica's step itself; Keras' own jit_compile would nest a second one."""
-    if jit_compile is True:
-        raise ValueError(
-            "PipelinedModel.compile(jit_compile=True) under a TPUStrategy: the TPU already "
-            "compiles each replica's whole step as one XLA program. Leave jit_compile "
-            "unset (\"auto\") or pass False.")

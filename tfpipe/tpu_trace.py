@@ -49,6 +49,14 @@ class CorePlacement:
     unplaced: collections.Counter
     unplaced_work: list
 
+    def variable_handles(self, path, slots=("momentum", "velocity")):
+        """{handle name: cores} of the variable at Keras `path` (its TF name
+        under a TPUStrategy) and of its optimizer slots, which Keras names
+        `<path with _ for />_<slot>` (Adam's: momentum, velocity)."""
+        names = {f"{path.replace('/', '_')}_{slot}" for slot in slots}
+        return {name: cores for name, cores in self.handles.items()
+                if name == path or name.rpartition("/")[2] in names}
+
 
 def core_of(device):
     """The logical core of an op's device string, or None."""

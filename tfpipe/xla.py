@@ -25,15 +25,24 @@ def stage_xla(jit_compile, pipeline_devices, stage_functions, on_tpu=False):
     """How `PipelinedModel.compile(jit_compile=...)` uses XLA: (whole step as
     one program, each stage function as its own program on its device).
 
-    One device (or a TPU replica's cores): `True` compiles the whole step, as
-    Keras does. Several devices: one program would pull every stage onto one
+    Under a TPUStrategy (`on_tpu`) the TPU compiles each replica's step
+    itself: `True` is refused, the rest mean no XLA of our own. One device:
+    `True` compiles the whole step, as Keras does. Several devices: one
+    program would pull every stage onto one
     device, so `True` compiles each stage's forward and backward separately,
     which needs execution="stage_functions" (else a ValueError); Keras'
     `"auto"` does the same when every device is a GPU (Keras' own "auto"
     means XLA on GPUs), and nothing elsewhere.
     """
+    if on_tpu:
+        if jit_compile is True:
+            raise ValueError(
+                "PipelinedModel.compile(jit_compile=True) under a TPUStrategy: the TPU already "
+                "compiles each replica's whole step as one XLA program. Leave jit_compile "
+                "unset (\"auto\") or pass False.")
+        return False, False
     devices = list(dict.fromkeys(pipeline_devices))
-    if on_tpu or len(devices) <= 1:
+    if len(devices) <= 1:
         return jit_compile is True, False
     if jit_compile == "auto":
         on_gpus = all("GPU" in str(d).upper() for d in devices)
