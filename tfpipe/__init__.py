@@ -22,6 +22,8 @@ _PUBLIC = {
     "load_model": ("tfpipe.layout", "load_model"),
     "to_keras": ("tfpipe.saving", "to_keras"),
     "StepWatchdog": ("tfpipe.watchdog", "StepWatchdog"),
+    "verify": ("tfpipe.verification", "verify"),
+    "Verification": ("tfpipe.verification", "Verification"),
 }
 _PUBLIC_MODULES = ("config", "schedules", "profile", "watchdog", "cluster", "testing", "tpu",
                    "tpu_trace")

@@ -160,14 +160,12 @@ def local_copies(variable):
     return tuple(getattr(value, "values", (value,)))
 
 
-def adopt_optimizer(optimizer, strategy):
-    """Makes a Keras TF optimizer place slots and updates through `strategy`
+def adopt_optimizers(optimizers, strategy):
+    """Makes Keras TF optimizers place slots and updates through `strategy`
     (Keras captures the strategy in scope when an optimizer is created)."""
-    if hasattr(optimizer, "_distribution_strategy"):
-        optimizer._distribution_strategy = strategy
-    inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
-    if inner is not None:
-        adopt_optimizer(inner, strategy)
+    for optimizer in optimizers:
+        if hasattr(optimizer, "_distribution_strategy"):
+            optimizer._distribution_strategy = strategy
 
 
 def seed_generators(layer):
@@ -231,22 +229,36 @@ def unordered_timestamp():
 
 
 _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
+_FUNCTION_ATTRS = ("f", "body", "cond", "then_branch", "else_branch")
+
+
+def called_graphs(op):
+    """The `FuncGraph`s `op` runs: a call's function, a While's cond and
+    body, an If's or a Case's branches; each looked up in the library of the
+    op's graph or an enclosing one (a function traced inside another is
+    registered there). Functions not traced from Python are left out."""
+    names = [op.get_attr(a).name for a in _FUNCTION_ATTRS if a in op.node_def.attr]
+    if "branches" in op.node_def.attr:
+        names += [f.name for f in op.get_attr("branches")]
+    found = []
+    for name in names:
+        graph = op.graph
+        while graph is not None:
+            function = graph._get_function(name)
+            if function is not None:
+                if getattr(function, "graph", None) is not None:
+                    found.append(function.graph)
+                break
+            graph = getattr(graph, "outer_graph", None)
+    return found
 
 
 def function_body(call_op):
     """The `FuncGraph` a function call op runs (None if it is not a call op,
-    or its function is not a traced one in the library of its graph or an
-    enclosing one, where a function traced inside another is registered)."""
+    or its function is not a traced one: see `called_graphs`)."""
     if call_op.type not in _CALL_OPS:
         return None
-    name = call_op.get_attr("f").name
-    graph = call_op.graph
-    while graph is not None:
-        function = graph._get_function(name)
-        if function is not None:
-            return getattr(function, "graph", None)
-        graph = getattr(graph, "outer_graph", None)
-    return None
+    return next(iter(called_graphs(call_op)), None)
 
 
 def concrete_inputs(concrete, args):
@@ -310,30 +322,6 @@ def set_keras_logits(tensor, logits):
         pass
 
 
-def concat_with_metadata(parts):
-    """`tf.concat(parts, 0)` that keeps the parts' Keras masks and logits."""
-    joined = tf.concat(parts, axis=0)
-    masks = [get_keras_mask(p) for p in parts]
-    if all(m is not None for m in masks):
-        set_keras_mask(joined, tf.concat(masks, axis=0))
-    logits = [get_keras_logits(p) for p in parts]
-    if all(l is not None for l in logits):
-        set_keras_logits(joined, tf.concat(logits, axis=0))
-    return joined
-
-
-def slice_with_metadata(tensor, rows):
-    """`tensor[:rows]` with its Keras mask and logits cut alike."""
-    out = tensor[:rows]
-    mask = get_keras_mask(tensor)
-    if mask is not None:
-        set_keras_mask(out, mask[:rows])
-    logits = get_keras_logits(tensor)
-    if logits is not None:
-        set_keras_logits(out, logits[:rows])
-    return out
-
-
 def move_variable(variable, scope, named_by_path=False):
     """Re-creates a built Keras variable's storage inside `scope` (a context
     manager: `tf.device(name)`, a TPU logical core's), same value; the
@@ -374,10 +362,14 @@ def flatten_layers(layer):
 def call_losses(layer):
     """Losses `layer` and its sub-layers added during their last call
     (`add_loss`, activity regularisers); weight regularisers excluded."""
-    found = []
-    for sub in flatten_layers(layer):
-        found.extend(sub._get_own_losses())
-    return found
+    return [loss for _, losses in call_losses_by_layer(layer) for loss in losses]
+
+
+def call_losses_by_layer(layer):
+    """(sub-layer, the losses it added itself) for `layer` and each of its
+    sub-layers that added any during their last call."""
+    found = [(sub, list(sub._get_own_losses())) for sub in flatten_layers(layer)]
+    return [(sub, losses) for sub, losses in found if losses]
 
 
 def reset_compiled_functions(model):
@@ -431,6 +423,13 @@ def set_distribute_strategy(model, strategy):
     """Makes Keras' fit/evaluate/predict of `model` run under `strategy`
     (Keras reads the model's `_distribute_strategy`)."""
     model._distribute_strategy = strategy
+
+
+def compile_arguments(model):
+    """The arguments a compiled Keras model's `compile` finally handed to
+    `keras.Model.compile` (a subclass's defaults, such as a keras-hub Task's
+    "auto" optimizer, loss and metrics, resolved), as objects."""
+    return dict(model._compile_config.config)
 
 
 def compiled_loss(model):
@@ -580,9 +579,3 @@ def place_optimizer_updates(optimizer, device_of):
     optimizer.update_step = placed_update_step
     optimizer._all_reduce_sum_gradients = placed_reduce
     optimizer._apply_weight_decay = placed_weight_decay
-
-
-def graph_functions(graph):
-    """{name: function graph} of the functions defined in a `tf.Graph` (a
-    traced function's calls, while bodies and branches)."""
-    return {name: f.graph for name, f in graph._functions.items() if hasattr(f, "graph")}

@@ -79,9 +79,11 @@ class Recorder:
         with contextlib.ExitStack() as stack:
             for layer in self.layers:
                 def record(inputs, mask, mean, variance, layer=layer):
-                    moments.append(Moments(layer, _count(layer, inputs, mask) * weight,
-                                           tf.cast(mean, tf.float32),
-                                           tf.cast(variance, tf.float32)))
+                    # float32 at least (a float16 layer's moments), float64 kept.
+                    dtype = tf.float64 if mean.dtype == tf.float64 else tf.float32
+                    moments.append(Moments(
+                        layer, tf.cast(_count(layer, inputs, mask), dtype) * tf.cast(weight, dtype),
+                        tf.cast(mean, dtype), tf.cast(variance, dtype)))
                 stack.enter_context(_internal.intercept_moments(layer, record))
             yield moments
 
@@ -121,8 +123,8 @@ def merge(counts, means, variances):
     total = tf.reduce_sum(counts, 0)
     # An empty micro-batch (N < M) has NaN moments and weight 0.
     weights = tf.math.divide_no_nan(counts, total)
-    means = tf.where(counts > 0, means, 0.0)
-    variances = tf.where(counts > 0, variances, 0.0)
+    means = tf.where(counts > 0, means, tf.zeros_like(means))
+    variances = tf.where(counts > 0, variances, tf.zeros_like(variances))
     mean = tf.reduce_sum(weights * means, 0)
     variance = tf.reduce_sum(weights * (variances + tf.square(means - mean)), 0)
     return mean, variance
@@ -151,8 +153,8 @@ def commit(before, sites):
             mean, variance = merge(counts, means, variances)
             old_mean, old_var = current[id(layer)]
             current[id(layer)] = (
-                tf.cast(old_mean, tf.float32) * layer.momentum + mean * (1.0 - layer.momentum),
-                tf.cast(old_var, tf.float32) * layer.momentum + variance * (1.0 - layer.momentum))
+                tf.cast(old_mean, mean.dtype) * layer.momentum + mean * (1.0 - layer.momentum),
+                tf.cast(old_var, mean.dtype) * layer.momentum + variance * (1.0 - layer.momentum))
             layers[id(layer)] = layer
     ops = []
     for key, layer in layers.items():

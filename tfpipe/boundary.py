@@ -16,6 +16,7 @@ import dataclasses
 import tensorflow as tf
 
 from tfpipe import _internal
+from tfpipe import assumptions
 from tfpipe import gradients as gradients_lib
 
 
@@ -30,6 +31,7 @@ class Interface:
       with_logits: flat indices of leaves carrying softmax/sigmoid logits.
       logit_specs: `tf.TensorSpec` of each.
       call_losses: whether the stage adds losses while it runs.
+      writes: the variables its forward writes (`tfpipe.assumptions.Write`s).
       inputs_connected, variables_connected, variables_sparse: see `probe`.
       recorded: what `probe`'s `around_stage` yielded.
     """
@@ -44,6 +46,7 @@ class Interface:
     variables_connected: list = None
     variables_sparse: list = None
     recorded: object = None
+    writes: tuple = ()
 
     @property
     def specs(self):
@@ -129,6 +132,7 @@ def probe(stages, inputs, training, extra=None, on_output=None, connectivity=Fal
     interfaces = []
     specs = tf.nest.map_structure(batchless_spec, inputs)
     extra_specs = tf.nest.map_structure(lambda t: None if t is None else batchless_spec(t), extra)
+    model_variables = list({id(v): v for s in stages for v in s.variables}.values())
 
     def trace(x, more):
         packed, records = x, []
@@ -141,12 +145,16 @@ def probe(stages, inputs, training, extra=None, on_output=None, connectivity=Fal
                 if connectivity:
                     tape.watch(sources)
                 h = unpack(packed, interfaces[k - 1]) if k else packed
+                graph = tf.compat.v1.get_default_graph()
+                first_op = len(graph.get_operations())
                 with (around_stage(k) if around_stage else contextlib.nullcontext()) as recorded:
                     out = stage(h, training=training)
                 losses = _internal.call_losses(stage)
                 last = k == len(stages) - 1
                 interfaces.append(_interface(out, losses))
                 interfaces[-1].recorded = recorded
+                interfaces[-1].writes = assumptions.variable_writes(
+                    stage, graph.get_operations()[first_op:], model_variables)
                 targets = []
                 if last and on_output is not None:
                     targets = list(on_output(out, more) or [])

@@ -1,7 +1,7 @@
 """`PipelineConfig`: the one owner of how a pipelined model runs.
 
 A `PipelinedModel` has exactly one configuration: M, the schedule, the
-recompute policy, the execution and the BatchNorm mode. Everything that needs
+recompute policy, the execution, the BatchNorm mode and the call-loss mode. Everything that needs
 one reads it from the model's config when it traces a step; no layer stores a
 copy. Each setting comes from the argument given to the model, else from the
 `PipelineStrategy` in scope; a loaded model keeps its saved settings except
@@ -16,7 +16,8 @@ import dataclasses
 
 from tfpipe import schedules
 
-FIELDS = ("num_microbatches", "schedule", "recompute", "execution", "batch_norm")
+FIELDS = ("num_microbatches", "schedule", "recompute", "execution", "batch_norm",
+          "call_losses")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,11 @@ EXECUTIONS = {e.name: e for e in (
                           "num_microbatches; recompute='always'"),
 )}
 BATCH_NORM_MODES = ("deferred", "plain")
+# "checked": each call loss is measured to be a mean over rows before the
+# first step (`tfpipe.assumptions.check_call_losses`), else refused.
+# "per_microbatch": GPipe's meaning, taken as given: each micro-batch's call
+# losses weighted by its share of the rows.
+CALL_LOSS_MODES = ("checked", "per_microbatch")
 
 
 def execution(name):
@@ -99,6 +105,17 @@ def validate_batch_norm(batch_norm):
     return batch_norm
 
 
+def validate_call_losses(call_losses):
+    """Returns `call_losses` if it names a mode, else raises ValueError."""
+    if call_losses not in CALL_LOSS_MODES:
+        raise ValueError(
+            f"Unknown call_losses {call_losses!r}. Use 'checked' (the default: a loss added in "
+            f"a layer's call must be a mean over rows, measured on the first batch, so the "
+            f"micro-batches' losses add up to the whole batch's) or 'per_microbatch' (GPipe's "
+            f"meaning, unchecked: each micro-batch's call losses weighted by its rows).")
+    return call_losses
+
+
 def validate_num_microbatches(num_microbatches):
     if (isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
             or num_microbatches < 1):
@@ -110,8 +127,11 @@ def validate_num_microbatches(num_microbatches):
 STAGE_FUNCTIONS_FROM_MICROBATCHES = 8
 
 
-def default_execution(num_microbatches, schedule):
+def default_execution(num_microbatches, schedule, xla_per_stage=False):
     """The execution of a config that was given none: "unrolled" or "stage_functions".
+
+    `xla_per_stage` (`compile(jit_compile=True)` on several devices): each
+    stage compiled as its own XLA program, which only stage functions are.
 
     The unrolled form has the fastest steps but its trace grows with M; stage
     functions trace each stage once, so from M = `STAGE_FUNCTIONS_FROM_MICROBATCHES`
@@ -119,6 +139,8 @@ def default_execution(num_microbatches, schedule):
     the backward (ZB-H1, ZB-V) stays unrolled: only there is each W held apart
     from its I. The loop form (recompute="always", slower steps) is never chosen.
     """
+    if xla_per_stage:
+        return "stage_functions"
     if schedule.splits_backward or num_microbatches < STAGE_FUNCTIONS_FROM_MICROBATCHES:
         return "unrolled"
     return "stage_functions"
@@ -126,8 +148,8 @@ def default_execution(num_microbatches, schedule):
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """How a pipeline runs: M, a `Schedule`, and the recompute, execution and
-    batch_norm modes. Build it with `PipelineConfig.make`, which checks.
+    """How a pipeline runs: M, a `Schedule`, and the recompute, execution,
+    batch_norm and call_losses modes. Build it with `PipelineConfig.make`, which checks.
     `execution_chosen`: tfpipe chose the execution (`default_execution`), so
     `settings` and `to_json` leave it unset.
     """
@@ -138,10 +160,11 @@ class PipelineConfig:
     execution: str = "unrolled"
     batch_norm: str = "deferred"
     execution_chosen: bool = False
+    call_losses: str = "checked"
 
     @classmethod
     def make(cls, num_microbatches=None, schedule=None, recompute=None, execution=None,
-             batch_norm=None):
+             batch_norm=None, call_losses=None):
         """A checked config; None takes the default (the execution's is
         `default_execution`, recompute's depends on the execution)."""
         num_microbatches = validate_num_microbatches(
@@ -157,7 +180,17 @@ class PipelineConfig:
             execution=execution,
             batch_norm=validate_batch_norm("deferred" if batch_norm is None else batch_norm),
             execution_chosen=chosen,
+            call_losses=validate_call_losses("checked" if call_losses is None else call_losses),
         )
+
+    def choose_execution(self, xla_per_stage=False):
+        """This config with the execution tfpipe chooses (`default_execution`)
+        if it was given none; else this config. Both executions it chooses
+        run every recompute mode, so the recompute setting stays."""
+        if not self.execution_chosen:
+            return self
+        return dataclasses.replace(self, execution=default_execution(
+            self.num_microbatches, self.schedule, xla_per_stage))
 
     @property
     def traits(self):

@@ -64,7 +64,8 @@ class Pipeline:
             stage_device=tuple(self.stage_device),
             states=tuple(recompute_lib.StageState(s) for s in self.stages),
             schedule=schedule, recompute=config.recompute, batch_norm=config.batch_norm,
-            traits=config.traits, options=options or step_plan.TraceOptions())
+            traits=config.traits, options=options or step_plan.TraceOptions(),
+            call_losses=config.call_losses)
 
     @property
     def num_stages(self):

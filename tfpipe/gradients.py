@@ -83,10 +83,19 @@ def scale_gradient(grad, factor):
     return grad * tf.cast(factor, grad.dtype)
 
 
-def add_regularization(variables, grads, scale, scope_of):
+def regularization_loss(variables):
+    """The weight regularisers' summed loss (float32, float64 if one is), or
+    None; each of R replicas reports its 1/R share (once per step)."""
+    values = [v.regularizer(v) for v in variables if getattr(v, "regularizer", None) is not None]
+    dtype = tf.float64 if any(t.dtype == tf.float64 for t in values) else tf.float32
+    values = [tf.cast(t, dtype) for t in values]
+    return tf.add_n(values) / replicas.num_replicas() if values else None
+
+
+def add_regularization(variables, grads, scale, scope_of, dtype=tf.float32):
     """Adds each weight regulariser's gradient, times the loss `scale`, to
     `grads` (in place) under `scope_of(i)`; returns the summed regularisation
-    loss (float32 scalar, or None). Each of R replicas adds 1/R of it."""
+    loss (a `dtype` scalar, or None). Each of R replicas adds 1/R of it."""
     total = []
     share = 1.0 / replicas.num_replicas()
     scale = scale * share
@@ -96,7 +105,7 @@ def add_regularization(variables, grads, scale, scope_of):
             continue
         with scope_of(i):
             with tf.GradientTape() as tape:
-                value = tf.cast(regularizer(v), tf.float32)
+                value = tf.cast(regularizer(v), dtype)
                 target = value * scale
             grads[i] = add_gradients(grads[i], tape.gradient(target, v))
             total.append(value * share)

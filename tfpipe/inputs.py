@@ -61,9 +61,10 @@ def _keras_batch_size(batch_size, x):
 
 
 def _dataset_batch_size(x):
-    """The rows of a Dataset's batches: its static batch dimension, else the
-    rows of its first batch (one element is read; a batch size known only
-    then is checked as the arrays' is). None: not a Dataset, or empty."""
+    """The rows of a Dataset's full batches: its static batch dimension, else
+    the rows of its first batch when a second follows (two elements are
+    read). None: not a Dataset, empty, or one batch only, which is its last
+    and may be smaller, as an array's last batch may."""
     if not isinstance(x, tf.data.Dataset):
         return None
     for spec in tf.nest.flatten(x.element_spec):
@@ -74,11 +75,58 @@ def _dataset_batch_size(x):
             break
     else:
         return None
-    first = next(iter(x.take(1)), None)
-    for leaf in tf.nest.flatten(first):
+    batches = list(x.take(2))
+    if len(batches) < 2:
+        return None
+    for leaf in tf.nest.flatten(batches[0]):
         if getattr(leaf, "shape", None) is not None and leaf.shape.rank:
             return int(leaf.shape[0])
     return None
+
+
+def first_batch(x, y=None, sample_weight=None, batch_size=None):
+    """(x for Keras, a function returning the first batch (x, y,
+    sample_weight) Keras will see, or None for no data). Arrays, Datasets
+    and PyDatasets are read when the function is called; a generator's first
+    batch is taken now, and the x returned yields it again first."""
+    unpack = keras.utils.unpack_x_y_sample_weight
+    if x is None:
+        return x, None
+    if isinstance(x, tf.data.Dataset):
+        return x, lambda: unpack(next(iter(x.take(1))))
+    if isinstance(x, keras.utils.PyDataset):
+        return x, lambda: unpack(x[0])
+    if callable(getattr(x, "__next__", None)):
+        try:
+            first = next(x)
+        except StopIteration:
+            return x, None
+
+        def again(rest=x):
+            yield first
+            yield from rest
+        return again(), lambda: unpack(first)
+    size = _keras_batch_size(batch_size, x)
+    return x, lambda: tuple(None if part is None else
+                            tf.nest.map_structure(lambda leaf: leaf[:size], part)
+                            for part in (x, y, sample_weight))
+
+
+def first_batch_values(first_batch, model_name, num_microbatches):
+    """The (x, y, sample_weight) `first_batch()` returns (see `first_batch`),
+    NumPy floats converted to Keras' float type as Keras converts them; a
+    ValueError if there is none (a step traced outside fit and evaluate)."""
+    if first_batch is None:
+        raise ValueError(
+            f"{model_name}: a layer adds a loss in its call, and tfpipe checks on real data "
+            f"that it is a mean over rows before the first step of num_microbatches="
+            f"{num_microbatches}; this step was traced outside fit, evaluate, train_on_batch "
+            f"and test_on_batch, so there is none. Call one of those, or pass "
+            f"call_losses='per_microbatch' to skip the check.")
+    floatx = keras.config.floatx()
+    return tf.nest.map_structure(
+        lambda a: tf.convert_to_tensor(a, floatx if a.dtype.kind == "f" else None)
+        if isinstance(a, np.ndarray) else a, first_batch())
 
 
 def check_not_empty_for_predict(x):

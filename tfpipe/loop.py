@@ -111,11 +111,11 @@ class LoopStore:
     def add_loss(self, d, parts, extra):
         st = self.st
         if extra is not None:
-            st["extra"][d] = st["extra"][d] + extra
+            st["extra"][d] = st["extra"][d] + tf.cast(extra, st["extra"][d].dtype)
         if parts:
-            st["num"] = [acc + tf.cast(s, tf.float32)
+            st["num"] = [acc + tf.cast(s, acc.dtype)
                          for acc, (s, _, _) in zip(st["num"], parts)]
-            st["div"] = [acc if dp is None else acc + tf.cast(dp, tf.float32)
+            st["div"] = [acc if dp is None else acc + tf.cast(dp, acc.dtype)
                          for acc, (_, dp, _) in zip(st["div"], parts)]
 
     def loss_seeds(self, plan, scale):
@@ -210,11 +210,11 @@ class _Layout:
             "bn": [bn_arrays(k) if backward else [] for k in range(k_count)],
             "grads": [[self.slots[d][i].initial() for i in self.device_vars[d]]
                       for d in range(d_count)],
-            "extra": [tf.zeros((), tf.float32) for _ in range(d_count)],
+            "extra": [tf.zeros((), step.dtype) for _ in range(d_count)],
             # A device's next action starts once every op of its previous one ran.
             "token": [tf.zeros((), tf.float32) for _ in range(d_count)],
-            "num": [tf.zeros((), tf.float32) for _ in range(n_terms)],
-            "div": [tf.zeros((), tf.float32) for _ in range(n_terms)],
+            "num": [tf.zeros((), step.dtype) for _ in range(n_terms)],
+            "div": [tf.zeros((), step.dtype) for _ in range(n_terms)],
         }
         self.owned = [self._owned_keys(d, n_terms) for d in range(d_count)]
 

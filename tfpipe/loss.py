@@ -166,10 +166,12 @@ class LossSplit:
         """(total data loss, [L_j]) of a whole batch in one piece, as Keras
         computes it (evaluation); with replicas, this replica's share."""
         self.build(y_true, y_pred)
-        per_term, total = [], tf.zeros((), tf.float32)
-        for term, (s, d, _) in zip(self.terms, self.parts(y_true, y_pred, sample_weight)):
-            s = tf.cast(s, tf.float32)
-            d = None if d is None else replicas.sum_over_replicas(tf.cast(d, tf.float32))
+        parts = self.parts(y_true, y_pred, sample_weight)
+        dtype = tf.float64 if any(s.dtype == tf.float64 for s, _, _ in parts) else tf.float32
+        per_term, total = [], tf.zeros((), dtype)
+        for term, (s, d, _) in zip(self.terms, parts):
+            s = tf.cast(s, dtype)
+            d = None if d is None else replicas.sum_over_replicas(tf.cast(d, dtype))
             value = s if d is None else tf.math.divide_no_nan(s, d)
             per_term.append(value)
             weight = 1.0 if term.weight is None else float(term.weight)
@@ -271,14 +273,18 @@ class Plan:
       forwards_first: the schedule runs every forward of the last stage
         before its first backward (GPipe does); call_losses: a stage adds
         losses while it runs; in_loop: the backwards run in a
-        `tf.while_loop`, where a count cannot be summed over replicas.
+        `tf.while_loop`, where a count cannot be summed over replicas;
+      dtype: what seeds and values are computed in (float64 in a float64
+      model: exact to its precision).
     Raises ValueError if a counted term cannot be seeded exactly.
     """
 
-    def __init__(self, split, num_rows, forwards_first, call_losses, in_loop=False):
+    def __init__(self, split, num_rows, forwards_first, call_losses, in_loop=False,
+                 dtype=tf.float32):
         self.split = split
         self.terms = split.terms
-        self._rows = tf.cast(num_rows, tf.float32)
+        self.dtype = dtype
+        self._rows = tf.cast(num_rows, dtype)
         counted = split.counted
         # A sum over replicas is a synchronisation point, which TF's
         # distribution machinery refuses inside a while loop's body.
@@ -310,19 +316,17 @@ class Plan:
         if term.kind == ROWS:
             return self._rows * float(term.per_row)
         # This replica's count: the divisor is the global batch's.
-        return replicas.sum_over_replicas(tf.cast(counted_sum, tf.float32))
+        return replicas.sum_over_replicas(tf.cast(counted_sum, self.dtype))
 
     def seeds(self, divisor_sums):
-        """Per term, the float32 seed of its numerator in every micro-batch's
-        backward. `divisor_sums[j]`: the summed D_jm of a counted term (else
-        unused; may be None)."""
+        """Per term, the seed (in `dtype`) of its numerator in every micro-
+        batch's backward. `divisor_sums[j]`: the summed D_jm of a counted
+        term (else unused; may be None)."""
         out = []
         for term, counted_sum in zip(self.terms, divisor_sums):
             divisor = None if self.deferred else self._divisor(term, counted_sum)
-            if divisor is None:
-                out.append(tf.constant(self._weight(term), tf.float32))
-            else:
-                out.append(tf.math.divide_no_nan(self._weight(term), tf.cast(divisor, tf.float32)))
+            weight = tf.constant(self._weight(term), self.dtype)
+            out.append(weight if divisor is None else tf.math.divide_no_nan(weight, divisor))
         return out
 
     def final_scale(self, divisor_sums):
@@ -330,15 +334,16 @@ class Plan:
         if not self.deferred:
             return None
         term = self.split.counted[0]
-        return tf.math.divide_no_nan(1.0, self._divisor(term, divisor_sums[self.terms.index(term)]))
+        return tf.math.divide_no_nan(tf.constant(1.0, self.dtype), self._divisor(
+            term, divisor_sums[self.terms.index(term)]))
 
     def values(self, numerator_sums, divisor_sums):
         """(total data loss, [L_j per term]) for the step, as Keras reports them."""
-        per_term, total = [], tf.zeros((), tf.float32)
+        per_term, total = [], tf.zeros((), self.dtype)
         for term, s, counted_sum in zip(self.terms, numerator_sums, divisor_sums):
-            s = tf.cast(s, tf.float32)
+            s = tf.cast(s, self.dtype)
             divisor = self._divisor(term, counted_sum)
-            value = s if divisor is None else tf.math.divide_no_nan(s, tf.cast(divisor, tf.float32))
+            value = s if divisor is None else tf.math.divide_no_nan(s, divisor)
             per_term.append(value)
             total = total + value * self._weight(term)
         return total, per_term

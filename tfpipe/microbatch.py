@@ -42,6 +42,30 @@ def _static_rows(t):
     return shape[0] if shape.rank else None
 
 
+def concat_with_metadata(parts):
+    """`tf.concat(parts, 0)` that keeps the parts' Keras masks and logits."""
+    joined = tf.concat(parts, axis=0)
+    masks = [_internal.get_keras_mask(p) for p in parts]
+    if all(m is not None for m in masks):
+        _internal.set_keras_mask(joined, tf.concat(masks, axis=0))
+    logits = [_internal.get_keras_logits(p) for p in parts]
+    if all(l is not None for l in logits):
+        _internal.set_keras_logits(joined, tf.concat(logits, axis=0))
+    return joined
+
+
+def slice_with_metadata(tensor, rows):
+    """`tensor[:rows]` with its Keras mask and logits cut alike."""
+    out = tensor[:rows]
+    mask = _internal.get_keras_mask(tensor)
+    if mask is not None:
+        _internal.set_keras_mask(out, mask[:rows])
+    logits = _internal.get_keras_logits(tensor)
+    if logits is not None:
+        _internal.set_keras_logits(out, logits[:rows])
+    return out
+
+
 class Split:
     """How one batch of N rows is cut into M micro-batches.
 
@@ -113,11 +137,12 @@ class Split:
         return self._once("start", m, lambda m: tf.cast(m, tf.int32) * self._base
                           + tf.minimum(tf.cast(m, tf.int32), self._extra))
 
-    def fraction(self, m):
+    def fraction(self, m, dtype=tf.float32):
         """Micro-batch m's share of the (global) batch, rows / `total_rows`
-        (float32 scalar; 0 if there are no rows)."""
-        return self._once("fraction", m, lambda m: tf.math.divide_no_nan(
-            tf.cast(self.size(m), tf.float32), tf.cast(self.total_rows, tf.float32)))
+        (a `dtype` scalar; 0 if there are no rows)."""
+        return self._once(("fraction", tf.as_dtype(dtype).name), m,
+                          lambda m: tf.math.divide_no_nan(tf.cast(self.size(m), dtype),
+                                                          tf.cast(self.total_rows, dtype)))
 
     def real(self, m):
         """1.0 if micro-batch m has rows, 0.0 if it stands in for an empty one
@@ -191,7 +216,7 @@ class Split:
             return structure
         size = self.size(m)
         return tf.nest.map_structure(
-            lambda t: _internal.slice_with_metadata(t, size) if isinstance(t, tf.Tensor) else t,
+            lambda t: slice_with_metadata(t, size) if isinstance(t, tf.Tensor) else t,
             structure)
 
     def merge(self, microbatches):
@@ -204,16 +229,20 @@ class Split:
         def cat(*parts):
             if isinstance(parts[0], tf.SparseTensor):
                 return tf.sparse.concat(0, list(parts))
-            return _internal.concat_with_metadata(list(parts))
+            return concat_with_metadata(list(parts))
 
         return tf.nest.map_structure(cat, *microbatches)
 
 
 class Batch:
-    """One batch (x, y, sample_weight) and the `Split` that cuts it."""
+    """One batch (x, y, sample_weight) and the `Split` that cuts it.
+    `sample`: None, or a function returning an eager `Batch` of real rows of
+    the same data, for the checks that need values while a step is traced
+    (`tfpipe.assumptions.check_call_losses`)."""
 
-    def __init__(self, x, y=None, sample_weight=None, num_microbatches=1):
+    def __init__(self, x, y=None, sample_weight=None, num_microbatches=1, sample=None):
         self.x, self.y, self.sample_weight = x, y, sample_weight
+        self.sample = sample
         self.split = Split(x, num_microbatches, "the inputs (x)")
         # This replica's rows within the global batch (tfpipe.replicas).
         self.split.total_rows = replicas.sum_over_replicas(self.split.num_rows)

@@ -50,8 +50,9 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
     Args:
       stages: K Keras layers; stage k takes stage k - 1's output and is built
         (or has its variables moved) under its device.
-      num_microbatches, schedule, recompute, execution, batch_norm: the
-        `tfpipe.config.PipelineConfig` settings; None takes the strategy's.
+      num_microbatches, schedule, recompute, execution, batch_norm,
+        call_losses: the `tfpipe.config.PipelineConfig` settings; None takes
+        the strategy's.
       input_shape: optional shape or nest of shapes (batch dimension
         included): builds the model now. input_dtype: the build's dtype.
 
@@ -61,7 +62,7 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
 
     def __init__(self, stages, num_microbatches=None, recompute=None,
                  input_shape=None, input_dtype="float32", execution=None, schedule=None,
-                 batch_norm=None, **kwargs):
+                 batch_norm=None, call_losses=None, **kwargs):
         # A PipelineStrategy, or the TPUPipelineHost of a TPUStrategy.
         strategy = strategy_lib.current_pipeline_host()
         if strategy is None and tf.distribute.has_strategy():
@@ -78,9 +79,10 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         _internal.set_distribute_strategy(self, strategy.distribute_strategy)
         self._pipeline_strategy = strategy
         self._on_tpu = isinstance(strategy, tpu.TPUPipelineHost)
-        self._variable_cores = _VariableCores()  # on a TPU
+        self._variable_cores = tpu.VariableCores()  # on a TPU
         self._trace_options = engine.TraceOptions()
         self._source = source
+        self._first_batch = None  # the data's first batch, read when a check needs it
         if source is not None and hasattr(source.model, "output_names"):
             self.output_names = list(source.model.output_names)
         stages = inputs_lib.check_stages(stages)
@@ -94,7 +96,7 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         self._input_dtype = keras.backend.standardize_dtype(input_dtype)
         self._use_config(config_lib.merge(strategy.given_settings, dict(
             num_microbatches=num_microbatches, schedule=schedule, recompute=recompute,
-            execution=execution, batch_norm=batch_norm)))
+            execution=execution, batch_norm=batch_norm, call_losses=call_losses)))
         if input_shape is not None:
             self.build(input_shape)
 
@@ -150,6 +152,7 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
     recompute = property(lambda self: self._pipeline_config.recompute)
     execution = property(lambda self: self._pipeline_config.execution)
     batch_norm = property(lambda self: self._pipeline_config.batch_norm)
+    call_losses = property(lambda self: self._pipeline_config.call_losses)
 
     @property
     def balance(self):
@@ -305,8 +308,20 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
     def compile(self, *args, jit_compile="auto", **kwargs):
         """As `keras.Model.compile`. `jit_compile=True` compiles the whole step
         with every stage on one device, else each stage function on its own
-        device; Keras' `"auto"` does the latter when every device is a GPU
-        (`tfpipe.xla.stage_xla`)."""
+        device (an execution tfpipe chooses becomes "stage_functions"); Keras'
+        `"auto"` does the latter when every device is a GPU
+        (`tfpipe.xla.stage_xla`). A cut model whose class has its own
+        `compile` (a keras-hub Task: "auto" optimizer, loss and metrics) has
+        its defaults resolved by that `compile`, on the model itself."""
+        source = self.source_model
+        if source is not None and type(source).compile is not keras.Model.compile:
+            source.compile(*args, jit_compile=False, **kwargs)
+            args, kwargs = (), _internal.compile_arguments(source)
+            kwargs.pop("jit_compile", None)
+        config = self.pipeline_config.choose_execution(
+            xla.needs_stage_functions(jit_compile, self.pipeline_devices, self._on_tpu))
+        if config != self.pipeline_config:
+            self._use_config(config)
         whole, per_stage = xla.stage_xla(jit_compile, self.pipeline_devices,
                                          self.pipeline_config.traits.stage_functions,
                                          on_tpu=self._on_tpu)
@@ -316,7 +331,8 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         with self._strategy_scope():
             super().compile(*args, jit_compile=whole, **kwargs)
         if self.optimizer is not None:
-            _internal.adopt_optimizer(self.optimizer, self._pipeline_strategy.distribute_strategy)
+            _internal.adopt_optimizers(placement.nested_optimizers(self.optimizer),
+                                       self._pipeline_strategy.distribute_strategy)
             if self._on_tpu:
                 # Keras' optimizer runs in no device scope inside a TPU replica.
                 _internal.place_optimizer_updates(self.optimizer, self._variable_cores.of)
@@ -353,6 +369,8 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         self._check_call(x, y, batch_size, "fit")
+        x, self._first_batch = inputs_lib.first_batch(x, y, kwargs.get("sample_weight"),
+                                                      batch_size)
         validation = inputs_lib.validation_inputs(kwargs.get("validation_data"))
         if validation is not None:
             self.check_batch_size(validation, kwargs.get("validation_batch_size") or batch_size,
@@ -361,7 +379,17 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
 
     def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
         self._check_call(x, y, batch_size, "evaluate")
+        x, self._first_batch = inputs_lib.first_batch(x, y, kwargs.get("sample_weight"),
+                                                      batch_size)
         return super().evaluate(x, y, batch_size, *args, **kwargs)
+
+    def train_on_batch(self, x, y=None, sample_weight=None, *args, **kwargs):
+        self._first_batch = lambda: (x, y, sample_weight)
+        return super().train_on_batch(x, y, sample_weight, *args, **kwargs)
+
+    def test_on_batch(self, x, y=None, sample_weight=None, *args, **kwargs):
+        self._first_batch = lambda: (x, y, sample_weight)
+        return super().test_on_batch(x, y, sample_weight, *args, **kwargs)
 
     def predict(self, x, batch_size=None, *args, **kwargs):
         inputs_lib.check_not_empty_for_predict(x)
@@ -385,12 +413,18 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
                                                      self.pipeline_config)
         return self.predict_function
 
-    def split_batch(self, data):
-        """A Keras batch `data` as a `tfpipe.microbatch.Batch` of M micro-batches."""
+    def split_batch(self, data, sample=None):
+        """A Keras batch `data` as a `tfpipe.microbatch.Batch` of M micro-batches
+        (`sample`: see `Batch`)."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if self._source is not None:
             x = self._source.graph.standardize_inputs(x)
-        return microbatch.Batch(x, y, sample_weight, self.num_microbatches)
+        return microbatch.Batch(x, y, sample_weight, self.num_microbatches, sample)
+
+    def _sample_batch(self):
+        """The first batch of the data fit or evaluate was given, as an eager `Batch`."""
+        return self.split_batch(inputs_lib.first_batch_values(
+            self._first_batch, self.name, self.num_microbatches))
 
     def loss_split(self):
         """The compiled loss, split over micro-batches (`tfpipe.loss.LossSplit`)."""
@@ -423,7 +457,7 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
             return replicas.across_replicas(self.get_metrics_result)
 
     def train_step(self, data):
-        batch = self.split_batch(data)
+        batch = self.split_batch(data, sample=self._sample_batch)
         split = self.loss_split()
         scale = self.optimizer.scale_loss if self.optimizer is not None else None
         pipeline = self._replica_pipeline()
@@ -436,20 +470,15 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         return self._update_metrics(batch, result.y_pred, result.loss, split,
                                     result.term_values)
 
-    def _regularization_loss(self):
-        values = [tf.cast(v.regularizer(v), tf.float32) for v in self.pipeline.variables
-                  if getattr(v, "regularizer", None) is not None]
-        # Once per step: each of the R replicas reports its 1/R share.
-        return tf.add_n(values) / replicas.num_replicas() if values else None
-
     def test_step(self, data):
-        batch = self.split_batch(data)
+        batch = self.split_batch(data, sample=self._sample_batch)
         split = self.loss_split()
         pipeline = self._replica_pipeline()
         y_pred, call_loss = pipeline.forward(batch, training=False)
         with pipeline.stage_scope(pipeline.num_stages - 1):
             data_loss, term_values = split.batch_values(batch.y, y_pred, batch.sample_weight)
-            terms = [data_loss] + [t for t in (call_loss, self._regularization_loss())
+            regularization = gradients_lib.regularization_loss(self.pipeline.variables)
+            terms = [data_loss] + [tf.cast(t, data_loss.dtype) for t in (call_loss, regularization)
                                    if t is not None]
             loss = tf.add_n(terms)
         return self._update_metrics(batch, y_pred, loss, split, term_values)
@@ -508,9 +537,11 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         # Keras skips this for models overriding compile(); ours only adds checks.
         config = keras.saving.deserialize_keras_object(config)
         if config.get("jit_compile") is True:
+            chosen = self.pipeline_config.choose_execution(
+                xla.needs_stage_functions(True, self.pipeline_devices, self._on_tpu))
             try:  # XLA was accepted for the saved layout; this one may not take it
-                xla.stage_xla(True, self.pipeline_devices,
-                              self.pipeline_config.traits.stage_functions, self._on_tpu)
+                xla.stage_xla(True, self.pipeline_devices, chosen.traits.stage_functions,
+                              self._on_tpu)
             except ValueError:
                 config["jit_compile"] = False
         self.compile(**config)
@@ -559,20 +590,3 @@ class _StageList:
 
     def __init__(self, stages):
         self.stages = list(stages)
-
-
-class _VariableCores:
-    """On a TPU, the `LogicalCore` of each stage variable's home stage, keyed
-    by its TF variable (`keras.Variable.value`, what Keras' optimizer works
-    on); held out of Keras' tracking, updated in place at each build."""
-
-    def __init__(self):
-        self._by_id = {}
-
-    def set(self, pairs):
-        """`pairs`: (keras.Variable, LogicalCore) for every stage variable."""
-        self._by_id = {id(variable.value): core for variable, core in pairs}
-
-    def of(self, variable):
-        """The core of a TF `variable`, or None (an optimizer's own variable)."""
-        return self._by_id.get(id(variable))

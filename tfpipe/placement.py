@@ -6,6 +6,9 @@ created optimizer slots. This module resolves device names strictly and builds
 stages eagerly under their device so none of that can happen unnoticed.
 """
 
+import collections.abc
+
+import keras
 import tensorflow as tf
 
 from tfpipe import _internal
@@ -159,3 +162,22 @@ def _tpu_copies_to_check(core):
     if all(any(same_device(name, have) for have in known) for name in names):
         return names
     return None
+
+
+def nested_optimizers(optimizer):
+    """`optimizer` and every Keras optimizer reachable from its attributes,
+    through lists, tuples, sets and mappings (an `OptimizerMap`), each once."""
+    found, seen, frontier = [], set(), [optimizer]
+    while frontier:
+        obj = frontier.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, keras.optimizers.Optimizer):
+            found.append(obj)
+            frontier += list(vars(obj).values())
+        elif isinstance(obj, collections.abc.Mapping):
+            frontier += list(obj.values()) + [getattr(obj, "default_optimizer", None)]
+        elif isinstance(obj, (list, tuple, set)):
+            frontier += list(obj)
+    return found

@@ -10,10 +10,12 @@ import typing
 
 import tensorflow as tf
 
+from tfpipe import assumptions
 from tfpipe import batchnorm
 from tfpipe import boundary
 from tfpipe import gradients as gradients_lib
 from tfpipe import loss as loss_lib
+from tfpipe import schedules
 from tfpipe import stage as stage_lib
 
 float_leaves = boundary.float_leaves
@@ -187,13 +189,26 @@ class Step(Interpreter):
         recorders = [batchnorm.Recorder(layer, record) for layer in plan.layers]
         batch.cut_at_once = plan.traits.stage_functions
         self.interfaces = self._probe(recorders, training, connectivity)
+        m = self.num_microbatches
+        assumptions.check_writes(
+            [i.writes for i in self.interfaces], m, plan.recompute,
+            replays=backward_step and any(schedules.is_recomputed(plan.recompute, j, m)
+                                          for j in range(m)))
+        if (batch.sample is not None and plan.call_losses == "checked" and m > 1
+                and any(i.call_losses for i in self.interfaces)):
+            with tf.init_scope():  # eagerly, on real rows
+                assumptions.check_call_losses(plan.layers, plan.stage_scope, plan.states,
+                                              self.interfaces, batch.sample(), training)
         self.table = table = plan.variable_table()
         self.variables = table.variables
-        scale = (tf.cast((scale_loss or (lambda v: v))(tf.constant(1.0)), tf.float32)
+        # Losses and seeds are added in float64 in a float64 model, else float32.
+        self.dtype = dtype = stage_lib.widest_float(v.dtype for layer in plan.layers
+                                                    for v in layer.weights)
+        scale = (tf.cast((scale_loss or (lambda v: v))(tf.constant(1.0)), dtype)
                  if backward_step else None)
         shared = stage_lib.StepInputs(batch, split, training, self.interfaces, plan.recompute,
                                       plan.traits, plan.options.observer, scale,
-                                      plan.options.stage_xla)
+                                      plan.options.stage_xla, dtype)
         stages = [
             stage_lib.Stage(k, plan.num_stages, layer, plan.devices[plan.stage_device[k]],
                             plan.states[k],
@@ -208,7 +223,7 @@ class Step(Interpreter):
         self.scale = scale
         self.loss_plan = loss_lib.Plan(split, batch.split.total_rows, forwards_first(order),
                                        any(i.call_losses for i in self.interfaces),
-                                       in_loop=plan.traits.in_loop)
+                                       in_loop=plan.traits.in_loop, dtype=dtype)
         self.bn_before = {}
         for recorder in recorders:
             self.bn_before.update(recorder.before_step())
@@ -243,11 +258,12 @@ class Step(Interpreter):
                                                 gradients_lib.scale_gradient, g, final_scale)
                      for i, g in enumerate(grads)]
         reg_total = gradients_lib.add_regularization(
-            table.variables, grads, self.scale, lambda i: plan.home_scope(table, i))
+            table.variables, grads, self.scale, lambda i: plan.home_scope(table, i), self.dtype)
         bn_ops = self._commit_batch_norm(store.bn_sites())
         with plan.stage_scope(self.num_stages - 1):
             data_loss, term_values = self.loss_plan.values(numerators, divisors)
-            loss = tf.add_n([data_loss] + [t for t in extras + [reg_total] if t is not None])
+            loss = tf.add_n([data_loss] + [tf.cast(t, self.dtype) for t in extras + [reg_total]
+                                           if t is not None])
             y_pred = store.merged_outputs()
         if bn_ops:
             with tf.control_dependencies(bn_ops):

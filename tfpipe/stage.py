@@ -23,15 +23,23 @@ from tfpipe import xla
 float_leaves = boundary.float_leaves
 
 
+def widest_float(dtypes):
+    """float64 if any of `dtypes` is, else float32: what a step adds losses
+    and seeds in (a float64 model is then exact to float64's precision)."""
+    return tf.float64 if any(tf.as_dtype(d) == tf.float64 for d in dtypes) else tf.float32
+
+
 def sum_or_none(values):
-    """float32 sum of the non-None `values`, or None if there are none."""
-    values = [tf.cast(v, tf.float32) for v in values if v is not None]
-    return tf.add_n(values) if values else None
+    """Sum of the non-None `values` (in `widest_float` of theirs), or None."""
+    values = [v for v in values if v is not None]
+    dtype = widest_float(v.dtype for v in values)
+    return tf.add_n([tf.cast(v, dtype) for v in values]) if values else None
 
 
 class StepInputs(typing.NamedTuple):
     """What every stage of one traced step shares (`split` None: forward only;
-    `scale`: the float32 loss scale, `scale_loss(1)`)."""
+    `scale`: the loss scale, `scale_loss(1)`, in `dtype`, the step's
+    `widest_float` of its variables, which losses and seeds are added in)."""
     batch: object
     split: object
     training: bool
@@ -41,6 +49,7 @@ class StepInputs(typing.NamedTuple):
     observer: object
     scale: object
     stage_xla: bool = False  # stage functions compiled by XLA (`TraceOptions.stage_xla`)
+    dtype: object = tf.float32
 
 
 class Replay(typing.NamedTuple):
@@ -143,12 +152,13 @@ class Stage:
         produced = (float_leaves(packed_out) or [t for t in tf.nest.flatten(packed_out)
                                                  if isinstance(t, tf.Tensor)])
         produced += [s for s, _, _ in parts] + ([] if extra is None else [extra])
-        weighted = None if extra is None else extra * self.shared.batch.split.fraction(m)
+        weighted = (None if extra is None
+                    else extra * self.shared.batch.split.fraction(m, extra.dtype))
         return Forward(packed_out, weighted, parts, moments, kept, produced)
 
     def extra_seed(self, m):
         """`seed()`: micro-batch m's call-loss seed (its batch share, loss-scaled)."""
-        return lambda: self.shared.batch.split.fraction(m) * self.shared.scale
+        return lambda: self.shared.batch.split.fraction(m, self.shared.dtype) * self.shared.scale
 
     def backward(self, m, kept, g_out, weight_sum=None, want_inputs=True, want_weights=True):
         """B(k, m), or its I or W half, replaying the stage if `kept` is a
@@ -207,7 +217,8 @@ def stage_gradients(stage, tape, packed, out, extra, parts, g_out, extra_seed,
     """Stage k's backward from its taped forward (see `Stage.backward`)."""
     sources = float_leaves(packed) if stage.k else []
     if stage.is_last:
-        targets, seeds = [s for s, _, _ in parts], list(g_out)
+        targets = [s for s, _, _ in parts]
+        seeds = [tf.cast(g, t.dtype) for t, g in zip(targets, g_out)]
     else:
         pairs = [(t, g) for t, g in zip(float_leaves(out), g_out) if g is not None]
         targets, seeds = [t for t, _ in pairs], [g for _, g in pairs]

@@ -64,6 +64,7 @@ class StepPlan:
     batch_norm: str
     traits: object
     options: TraceOptions
+    call_losses: str = "checked"  # `tfpipe.config.CALL_LOSS_MODES`
 
     @property
     def num_stages(self):

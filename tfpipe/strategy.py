@@ -36,8 +36,8 @@ class PipelineStrategy(tf.distribute.Strategy):
         cluster is one replica, its pipeline on this process's `devices`
         (default: its local devices); gradients and metrics are summed with
         TF's collective ops. Make the strategy before any other TF op.
-      num_microbatches, schedule, recompute, execution, batch_norm: the
-        defaults of models made in this scope (`tfpipe.config.PipelineConfig`;
+      num_microbatches, schedule, recompute, execution, batch_norm,
+        call_losses: the defaults of models made in this scope (`tfpipe.config.PipelineConfig`;
         None: the library default). Settings given here explicitly also
         override those of a saved model loaded in this scope.
 
@@ -49,9 +49,10 @@ class PipelineStrategy(tf.distribute.Strategy):
 
     def __init__(self, devices=None, num_microbatches=None, schedule=None,
                  recompute=None, execution=None, batch_norm=None, num_replicas=None,
-                 cluster_resolver=None):
+                 cluster_resolver=None, call_losses=None):
         given = dict(num_microbatches=num_microbatches, schedule=schedule,
-                     recompute=recompute, execution=execution, batch_norm=batch_norm)
+                     recompute=recompute, execution=execution, batch_norm=batch_norm,
+                     call_losses=call_losses)
         self._given = {k: v for k, v in given.items() if v is not None}
         self._config = config_lib.PipelineConfig.make(**self._given)
         # TF's collective group keys start here: two grids in one process must
@@ -164,7 +165,7 @@ class PipelineStrategy(tf.distribute.Strategy):
                    else list(self._devices))
         return (f"PipelineStrategy(devices={devices}, num_microbatches={c.num_microbatches}, "
                 f"schedule={c.schedule!r}, recompute={c.recompute!r}, execution={c.execution!r}, "
-                f"batch_norm={c.batch_norm!r})")
+                f"batch_norm={c.batch_norm!r}, call_losses={c.call_losses!r})")
 
 
 def device_grid(devices, num_replicas=None):

@@ -18,6 +18,7 @@ def stage_table(stages, stage_devices, outputs, config, num_devices, replica_dev
         f"{config.num_microbatches} micro-batch(es), schedule={config.schedule.name}, "
         f"recompute={config.recompute}, execution={config.execution}"
         f"{' (tfpipe chose it)' if config.execution_chosen else ''}, "
+        f"call_losses={config.call_losses}, "
         f"schedule's ideal bubble (F=1, B=2)={sim.bubble_fraction:.1%}, "
         f"peak live activations per device={sim.peak_activations}",
         f"{'stage':<7}{'name':<24}{'device':<46}{'layers':>7}{'params':>12}  output",

@@ -177,3 +177,19 @@ def host_of(strategy):
         _HOSTS[strategy] = TPUPipelineHost(strategy)
     return _HOSTS[strategy]
 
+
+class VariableCores:
+    """On a TPU, the `LogicalCore` of each stage variable's home stage, keyed
+    by its TF variable (`keras.Variable.value`, what Keras' optimizer works
+    on); held out of Keras' tracking, updated in place at each build."""
+
+    def __init__(self):
+        self._by_id = {}
+
+    def set(self, pairs):
+        """`pairs`: (keras.Variable, LogicalCore) for every stage variable."""
+        self._by_id = {id(variable.value): core for variable, core in pairs}
+
+    def of(self, variable):
+        """The core of a TF `variable`, or None (an optimizer's own variable)."""
+        return self._by_id.get(id(variable))

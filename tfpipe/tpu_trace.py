@@ -82,13 +82,12 @@ def read(graph):
     if len(meta) != 1:
         raise ValueError(f"Expected one TPU program in the graph, found {len(meta)}.")
     matmuls, reduces, handles = collections.Counter(), collections.Counter(), {}
-    functions = _internal.graph_functions(graph)
     program = [op for op in ops if _in_program(op)]
-    _walk(program, None, functions, matmuls, reduces)
+    _walk(program, None, matmuls, reduces)
     for op in ops:  # a variable's replicated handle is made outside the program
         if op.type == "TPUReplicatedInput" and op.outputs[0].dtype == tf.resource:
             cores = set()
-            _uses(op.outputs[0], None, functions, cores)
+            _uses(op.outputs[0], None, cores)
             handles[op.name[:-len("/handle")] if op.name.endswith("/handle") else op.name] = \
                 sorted(cores, key=lambda c: -1 if c is None else c)
     unplaced = collections.Counter(op.type for op in program
@@ -97,7 +96,7 @@ def read(graph):
         num_replicas=meta[0].get_attr("num_replicas"),
         cores_per_replica=meta[0].get_attr("num_cores_per_replica"),
         handles=handles, matmuls=matmuls, all_reduces=reduces, unplaced=unplaced,
-        unplaced_work=_unplaced_work(program, functions))
+        unplaced_work=_unplaced_work(program))
 
 
 def _in_program(op):
@@ -113,37 +112,25 @@ def _effective(op, inherited):
     return inherited if core is None else core
 
 
-def _callees(op, functions):
-    """The function graphs `op` calls (a call, a While's cond and body, an
-    If's or a Case's branches), from `functions` ({name: graph})."""
-    names = []
-    for attr in ("f", "body", "cond", "then_branch", "else_branch"):
-        if attr in op.node_def.attr:
-            names.append(op.get_attr(attr).name)
-    if "branches" in op.node_def.attr:
-        names += [f.name for f in op.get_attr("branches")]
-    return [functions[name] for name in names if name in functions]
-
-
-def _walk(ops, inherited, functions, matmuls, reduces):
+def _walk(ops, inherited, matmuls, reduces):
     for op in ops:
         core = _effective(op, inherited)
         if op.type in _MATMULS:
             matmuls[core] += 1
         elif op.type in _ALL_REDUCES:
             reduces[core] += 1
-        for body in _callees(op, functions):
-            _walk(body.get_operations(), core, functions, matmuls, reduces)
+        for body in _internal.called_graphs(op):
+            _walk(body.get_operations(), core, matmuls, reduces)
 
 
-def _uses(tensor, inherited, functions, cores, depth=0):
+def _uses(tensor, inherited, cores, depth=0):
     """Adds the cores of every op using `tensor` (a handle) to `cores`,
     following it through pass-throughs and into function bodies."""
     if depth > 20:
         return
     for consumer in tensor.consumers():
         core = _effective(consumer, inherited)
-        bodies = _callees(consumer, functions)
+        bodies = _internal.called_graphs(consumer)
         if bodies:
             # Argument i is the body's input i (a While's loop variable i; a
             # Case's and an If's inputs follow the branch index).
@@ -152,22 +139,22 @@ def _uses(tensor, inherited, functions, cores, depth=0):
             for body in bodies:
                 for position in positions:
                     if 0 <= position < len(body.inputs):
-                        _uses(body.inputs[position], core, functions, cores, depth + 1)
+                        _uses(body.inputs[position], core, cores, depth + 1)
         elif consumer.type in ("Identity", "IdentityN"):
             for out in consumer.outputs:
-                _uses(out, core, functions, cores, depth + 1)
+                _uses(out, core, cores, depth + 1)
         else:
             cores.add(core)
 
 
-def _unplaced_work(program, functions):
+def _unplaced_work(program):
     """Ops of the program on no core whose inputs come from an op on a core."""
     on_core, found = set(), []
     for op in program:  # get_operations() is in creation order: inputs first
         if core_of(op.device) is not None:
             on_core.add(op.name)
             continue
-        if op.type in STRUCTURAL or _callees(op, functions):
+        if op.type in STRUCTURAL or _internal.called_graphs(op):
             continue
         if any(t.op.name in on_core for t in op.inputs):
             found.append(op.name)

@@ -21,6 +21,13 @@ def in_xla_program():
     return _internal.in_xla_context()
 
 
+def needs_stage_functions(jit_compile, pipeline_devices, on_tpu=False):
+    """Whether `compile(jit_compile=...)` compiles each stage as its own XLA
+    program, which needs execution="stage_functions": `True` on several
+    devices (not a TPU, which compiles the step itself)."""
+    return jit_compile is True and not on_tpu and len(set(pipeline_devices)) > 1
+
+
 def stage_xla(jit_compile, pipeline_devices, stage_functions, on_tpu=False):
     """How `PipelinedModel.compile(jit_compile=...)` uses XLA: (whole step as
     one program, each stage function as its own program on its device).
@@ -54,7 +61,8 @@ def stage_xla(jit_compile, pipeline_devices, stage_functions, on_tpu=False):
             f"PipelinedModel.compile(jit_compile=True) on several devices ({devices}) "
             f"compiles each stage as its own XLA program on its own device, which needs "
             f"execution='stage_functions' (one program for the whole step would pull every "
-            f"stage onto one device). Pass execution='stage_functions' to the "
+            f"stage onto one device), but the execution was set to another. Pass "
+            f"execution='stage_functions' (or leave it unset: tfpipe then chooses it) to the "
             f"PipelineStrategy or the model, or use jit_compile=False.")
     return False, True
 

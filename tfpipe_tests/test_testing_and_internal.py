@@ -10,6 +10,7 @@ import tensorflow as tf
 import tfpipe
 from tfpipe_tests import helpers
 from tfpipe import _internal
+from tfpipe import microbatch
 from tfpipe import partition
 from tfpipe_tests import conftest
 
@@ -112,8 +113,8 @@ def test_keras_metadata_on_tensors():
         mask = tf.constant([[True, False, True]] * 2)
         _internal.set_keras_mask(probs, mask)
         assert _internal.get_keras_mask(probs) is mask
-        joined = _internal.concat_with_metadata([probs, probs])
-        cut = _internal.slice_with_metadata(joined, 1)
+        joined = microbatch.concat_with_metadata([probs, probs])
+        cut = microbatch.slice_with_metadata(joined, 1)
         return (tf.shape(_internal.get_keras_mask(joined))[0],
                 tf.shape(_internal.get_keras_logits(cut))[0])
     rows, cut_rows = check()
@@ -162,8 +163,10 @@ def test_tpu_strategy_internals_and_optimizer_placement():
     decays = [op for op in graph.get_operations() if op.type == "AssignSubVariableOp"]
     assert decays and all(op.device for op in decays)
     f = tf.function(lambda x: tf.cond(x > 0, lambda: x, lambda: -x))
-    functions = _internal.graph_functions(f.get_concrete_function(tf.TensorSpec(())).graph)
-    assert len(functions) == 2 and all(hasattr(g, "get_operations") for g in functions.values())
+    cond = [op for op in f.get_concrete_function(tf.TensorSpec(())).graph.get_operations()
+            if op.type in ("If", "StatelessIf")]
+    bodies = _internal.called_graphs(cond[0])
+    assert len(bodies) == 2 and all(hasattr(g, "get_operations") for g in bodies)
 
 
 def test_layer_internals_used_for_graphs_losses_and_batch_norm():
@@ -174,6 +177,10 @@ def test_layer_internals_used_for_graphs_losses_and_batch_norm():
     assert op is dense and index == 0 and node.outputs[0] is out
     dense(tf.ones((2, 3)))
     assert len(_internal.call_losses(dense)) == 1  # the activity regulariser
+    wrapper = keras.Sequential([dense])
+    wrapper(tf.ones((2, 3)))
+    assert [(layer, len(losses)) for layer, losses in _internal.call_losses_by_layer(wrapper)] \
+        == [(dense, 1)]
     bn = keras.layers.BatchNormalization()
     bn.build((None, 4))
     assert _internal.batch_norm_reduction_axes(bn) == [0]
@@ -348,7 +355,16 @@ def test_keras_model_state_the_keras_face_reads():
     assert _internal.compiled_loss(model) is not None
     assert _internal.loss_tracker(model).name == "loss"
     assert _internal.jit_compile(model) is False
+    arguments = _internal.compile_arguments(model)  # what keras.Model.compile was handed
+    assert arguments["loss"] == "mse" and arguments["optimizer"] is model.optimizer
     assert "training" in _internal.call_context_args(model.layers[1])
+    strategy = tfpipe.PipelineStrategy(devices=["/CPU:0"])
+    adam = keras.optimizers.Adam()  # made outside any scope: captures the default strategy
+    with strategy.scope(), pytest.raises(RuntimeError, match="Mixing different"):
+        adam.build(model.trainable_variables)
+    _internal.adopt_optimizers([adam], strategy)
+    with strategy.scope():
+        adam.build(model.trainable_variables)
     strategy = tfpipe.PipelineStrategy(devices=["/CPU:0"])
     _internal.set_distribute_strategy(model, strategy)
     assert model.distribute_strategy is strategy
