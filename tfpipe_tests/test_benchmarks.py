@@ -19,6 +19,10 @@ TINY = {
     "memory": ["--modes=plain,never", "--devices=1,2", "--layers=2", "--width=8",
                "--batch=64", "--microbatches=2", "--budget_mib=4000", "--max_layers=1"],
     "overhead": ["--steps=3", "--batch=16", "--repeats=1", "--width=8", "--rounds=1"],
+    "check_cost": ["--models=transformer+activity", "--layers=1", "--batch=8",
+                   "--microbatches=2"],
+    "noise_floor": ["--sizes=32", "--dtypes=float32", "--executions=loop", "--images=2",
+                    "--batch=2"],
 }
 # The fields each table prints (None: "-" in the table), per row, and the header's start.
 FIELDS = {
@@ -30,6 +34,9 @@ FIELDS = {
     "overhead": ("| tree | plain step ms |", {"plain_ms", "step_ms", "step_ratio",
                                               "plain_first_fit_s", "first_fit_s",
                                               "first_fit_ratio"}),
+    "check_cost": ("| model | M | first fit s |", {"first_fit_s", "writes_s", "call_losses_s",
+                                                    "checks_fraction"}),
+    "noise_floor": ("| size | images | per batch | dtype |", {"update", "noise", "loop"}),
 }
 RATIOS = {"speedup": ("step_ms_vs_tree", "trace_s_vs_tree"),
           "overhead": ("step_ms_vs_tree", "first_fit_s_vs_tree")}
@@ -46,6 +53,8 @@ def _run(tmp_path, module, *flags, timeout=300):
     # benchmarks.memory's children run for real in test_planner's memory test.
     pytest.param("speedup", ["--tree=old={copy}"], ["new", "old"], marks=pytest.mark.slow),
     pytest.param("overhead", ["--tree=old={copy}"], ["new", "old"], marks=pytest.mark.slow),
+    pytest.param("check_cost", [], [], marks=pytest.mark.slow),
+    pytest.param("noise_floor", [], [], marks=pytest.mark.slow),
 ])
 def test_a_tiny_run_writes_the_rows_its_table_prints(tmp_path, module, trees, labels):
     if trees:  # another checkout: here a copy of this one's library

@@ -2,11 +2,12 @@
 
 keras.applications' ResNet50 on a few small images is ill-conditioned
 (BatchNorm over a handful of values): plain Keras' own float32 step moves
-1.3-8.7% when its input is scaled by 1 + 1e-7, so no execution can be shown
-within 1e-5 of it in float32 (`benchmarks/noise_floor.py`, BUILD.md). In
+8-14% of its size when its input is scaled by 1 + 1e-7, so no execution can be
+shown within 1e-5 of it in float32 (`benchmarks/noise_floor.py`, BUILD.md). In
 float64 (every layer's dtype policy, the inputs and the losses) plain Keras'
-own floor is 1.5e-13 at 64x64, and a correct pipeline agrees to 1e-10 while a
-real bug (a wrong statistic, a lost term) would stay at the float32 size.
+own noise is about 4e-12 at 64x64, and a correct pipeline agrees to 1e-10
+while a real bug (a wrong statistic, a lost term) would stay at the float32
+size.
 Every execution is proven so: at M = 1 against plain Keras, at M = 2 against
 the micro-batch oracle (BatchNorm per micro-batch, `test_applications`).
 The default suite proves the same arithmetic on the repo's ResNet CNN.
