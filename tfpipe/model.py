@@ -318,6 +318,7 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
             source.compile(*args, jit_compile=False, **kwargs)
             args, kwargs = (), _internal.compile_arguments(source)
             kwargs.pop("jit_compile", None)
+            source.compiled = False  # this model trains it: saved without its own compile
         config = self.pipeline_config.choose_execution(
             xla.needs_stage_functions(jit_compile, self.pipeline_devices, self._on_tpu))
         if config != self.pipeline_config:

@@ -11,6 +11,8 @@
 - a data set smaller than one batch trains as the same rows as arrays do.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -34,9 +36,10 @@ def _albert_classifier():
                                                  preprocessor=None, dropout=0.0)
 
 
-def test_a_keras_hub_tasks_compile_defaults_are_honoured():
+def test_a_keras_hub_tasks_compile_defaults_are_honoured(tmp_path):
     """`compile(optimizer="sgd")`: the Task's "auto" loss and its default
-    metric (sparse_categorical_accuracy), as on the Task itself."""
+    metric (sparse_categorical_accuracy), as on the Task itself; saved and
+    loaded, it evaluates the same (no warning about the Task's own compile)."""
     rng = np.random.default_rng(0)
     x = {"token_ids": rng.integers(1, 32, (16, 8)).astype("int32"),
          "segment_ids": np.zeros((16, 8), "int32"), "padding_mask": np.ones((16, 8), "int32")}
@@ -52,6 +55,14 @@ def test_a_keras_hub_tasks_compile_defaults_are_honoured():
     assert sorted(history) == sorted(expected) == ["loss", "sparse_categorical_accuracy"]
     np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-5)
     assert helpers.max_abs_diff(plain.get_weights(), task.get_weights()) < TOL
+    path = str(tmp_path / "task.keras")
+    pipelined.save(path)
+    with tfpipe.PipelineStrategy(num_microbatches=2, devices=DEVICES).scope(), \
+            warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        loaded = tfpipe.load_model(path)
+    assert loaded.evaluate(x, y, verbose=0, return_dict=True) == \
+        pipelined.evaluate(x, y, verbose=0, return_dict=True)
 
 
 def _two_layer_model():
