@@ -7,10 +7,11 @@ of the main job's 59,146 parameters), it times, in seconds:
   save          one checkpoint save (`CheckpointStore.save`: the history
                 segment of the last `--every` steps, the variables, the
                 manifest, rotation) and the TensorBoard rotation after it
-  resume        what `--resume` does before its first step: find and verify
-                the newest checkpoint (its whole history chain read and
-                checked), restore the history, trim the TensorBoard logs,
-                the epoch means
+  resume        what `--resume` does before its first step: read the record
+                of what the run wrote (`launch.outputs.Record`), find and
+                verify the newest checkpoint (its whole history chain read
+                and checked), restore the history, trim the TensorBoard
+                logs, the epoch means
   end           the end of the run: history.json and loss.png
   whole history the old design's per-save cost: the whole history
                 serialised and hashed into every manifest (measured here on
@@ -61,9 +62,10 @@ def measure(steps, every, workdir):
     history = history_lib.RunHistory(workdir / "history.json", run,
                                      changes=[{"step": 0, "learning_rate": 1e-3}])
     ckpt_dir = workdir / "checkpoints"
+    record = outputs.Record(workdir)  # what the run wrote: a line per file
     store = checkpoints.CheckpointStore(
-        ckpt_dir, tf.train.Checkpoint(w=tf.Variable(tf.zeros([PARAMS]))))
-    board = history_lib.TensorBoardLog(workdir / "tensorboard")
+        ckpt_dir, tf.train.Checkpoint(w=tf.Variable(tf.zeros([PARAMS]))), record=record)
+    board = history_lib.TensorBoardLog(workdir / "tensorboard", record)
     logged_from = steps - board.steps_per_file - every
     for step in range(1, steps + 1):  # the run so far: a segment per save
         history.steps.append(_entry(step, rng))
@@ -74,7 +76,7 @@ def measure(steps, every, workdir):
             board.step(history.steps[-1])
         if step % every == 0 and step < steps:
             history.mark_saved(segments.write(ckpt_dir / outputs.HISTORY_SEGMENTS, step,
-                                              history.tail(), history.saved_ref))
+                                              history.tail(), history.saved_ref, record))
             if step > logged_from:
                 board.rotate(step)
     board.close()
@@ -84,6 +86,7 @@ def measure(steps, every, workdir):
     board.rotate(steps)
     out["save_s"] = time.perf_counter() - start
     start = time.perf_counter()
+    record = store.record = outputs.Record(workdir)  # a resume reads the record back
     found = store.find()
     restored = history_lib.RunHistory.from_json(
         workdir / "history.json", store.restore(found.step, found.manifest),
@@ -93,8 +96,8 @@ def measure(steps, every, workdir):
     out["resume_s"] = time.perf_counter() - start
     assert len(restored.steps) == steps
     start = time.perf_counter()
-    restored.save()
-    restored.plot_loss(workdir / "loss.png")
+    restored.save(record)
+    restored.plot_loss(workdir / "loss.png", record)
     out["end_s"] = time.perf_counter() - start
     start = time.perf_counter()
     text = canonical(history.to_json())

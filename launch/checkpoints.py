@@ -88,11 +88,14 @@ class CheckpointStore:
       checkpoint: the `tf.train.Checkpoint` (model, optimizer, step) to write
         and restore into.
       keep: how many committed checkpoints to keep.
+      record: the run's `launch.outputs.Record`: every file a save makes is
+        recorded; only recorded files are deleted or moved (None: reading only).
     """
 
-    def __init__(self, directory, checkpoint, keep=KEEP):
+    def __init__(self, directory, checkpoint, keep=KEEP, record=None):
         self.dir = pathlib.Path(directory)
         self.checkpoint = checkpoint
+        self.record = record
         # tf.train.CheckpointOptions or None. With stages on other hosts, the
         # trainer sets experimental_io_device to this process's CPU, so that
         # every file is written here (not each shard on its worker's disk).
@@ -205,12 +208,15 @@ class CheckpointStore:
         for name in names:
             step = int(name.split("-")[1])
             for file_name in on_disk.get(step, []):
-                target.mkdir(exist_ok=True)
+                if not self.record.owns(self.dir / file_name):
+                    continue  # a file the trainer did not write stays where it is
+                self.record.make_dir(target)
+                self.record.add(target / file_name)
                 os.replace(self.dir / file_name, target / file_name)
         aside = {}
         for entry in outputs.entries(target):
             match = _CKPT_FILE.fullmatch(entry.name)
-            if match:
+            if match and self.record.owns(entry):
                 aside.setdefault(int(match.group(1)), []).append(entry)
         for step in sorted(aside)[:-self.keep]:
             for entry in aside[step]:
@@ -245,25 +251,31 @@ class CheckpointStore:
     def save(self, step, history):
         """Writes checkpoint `step` with what `history` gained since the last
         save (a segment, `launch.segments`), commits it, then rotates."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.record.make_dir(self.dir)
         name = f"ckpt-{step}"
         self._delete(step)  # leftovers of an interrupted write of this step
         ref = segments.write(self.dir / HISTORY_SEGMENTS, step, history.tail(),
-                             history.saved_ref)
+                             history.saved_ref, self.record)
         tmp = self.dir / f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        self.record.add(tmp, "prefix")  # TensorFlow names the files under it
         self.checkpoint.write(str(tmp), options=self.options)
         files = {}
         for written in sorted(self.dir.glob(tmp.name + ".*")):
             final = self.dir / (name + written.name[len(tmp.name):])
+            if os.path.lexists(final) and not self.record.owns(final):
+                raise RunError(
+                    f"{final} exists and launch.train did not write it: a checkpoint "
+                    f"cannot be saved under that name. Move it, then --resume.")
             with open(written, "rb") as f:
                 os.fsync(f.fileno())
+            self.record.add(final)
             os.replace(written, final)
             files[final.name] = {"size": final.stat().st_size, "sha256": sha256(final)}
         fsync_dir(self.dir)
         body = {"format": FORMAT, "step": int(step), "files": files, "run": history.run,
                 "history": ref}
         manifest = dict(body, sha256=hashlib.sha256(canonical(body).encode()).hexdigest())
-        atomic_write(self.dir / (name + MANIFEST), json.dumps(manifest))  # the commit
+        atomic_write(self.dir / (name + MANIFEST), json.dumps(manifest), self.record)  # commit
         history.mark_saved(ref)
         self.latest_step = int(step)
         self._rotate()
@@ -277,7 +289,8 @@ class CheckpointStore:
     def _delete(self, step):
         """Deletes checkpoint `step`: its manifest first, so it is never half there
         and committed."""
-        names = self.files_by_step().get(step, [])
+        names = [n for n in self.files_by_step().get(step, [])
+                 if self.record.owns(self.dir / n)]
         for file_name in sorted(names, key=lambda n: not n.endswith(MANIFEST)):
             (self.dir / file_name).unlink(missing_ok=True)
 
@@ -293,7 +306,7 @@ class CheckpointStore:
         steps = self.committed_steps()
         lines = [f'model_checkpoint_path: "ckpt-{steps[-1]}"']
         lines += [f'all_model_checkpoint_paths: "ckpt-{s}"' for s in steps]
-        atomic_write(self.dir / STATE_FILE, "\n".join(lines) + "\n")
+        atomic_write(self.dir / STATE_FILE, "\n".join(lines) + "\n", self.record)
 
 
 def non_finite_variables(variables):

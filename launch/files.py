@@ -5,24 +5,29 @@ import hashlib
 import json
 import os
 import pathlib
+import secrets
 import shutil
-import tempfile
 
 
-def atomic_write(path, data):
+def atomic_write(path, data, record=None):
     """Writes `data` (str or bytes) to `path`: all of it, or nothing.
 
     The bytes go to a uniquely named temporary file in the same directory
     (`.NAME.RANDOM.tmp`), which is fsynced and renamed over `path`; then the
     directory is fsynced. A crash leaves the old file or the new one, plus at
-    most a temporary file (`remove_temporary_files` clears those).
+    most a temporary file (`remove_temporary_files` clears those). `record`
+    (a `launch.outputs.Record`): both names are recorded before they exist.
+    A link at `path` is replaced, never written through.
     """
     path = pathlib.Path(path)
     if isinstance(data, str):
         data = data.encode("utf-8")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    if record is not None:
+        record.add(tmp)
+        record.add(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from others
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -44,15 +49,17 @@ def fsync_dir(directory):
         os.close(fd)
 
 
-def remove_temporary_files(directory):
-    """Deletes what interrupted writes left in `directory`: `.NAME.*.tmp` files
-    (`atomic_write`) and `.ckpt-N.tmp-*` files and directories (checkpoint saves).
-    Call it only while holding the run's lock."""
+def remove_temporary_files(directory, record):
+    """Deletes what interrupted writes of this trainer left in `directory`:
+    `.NAME.*.tmp` files (`atomic_write`) and `.ckpt-N.tmp-*` files and
+    directories (checkpoint saves), those `record` (a
+    `launch.outputs.Record`) names. Call it only while holding the run's lock."""
     directory = pathlib.Path(directory)
-    if not directory.is_dir():
+    if not directory.is_dir() or directory.is_symlink():
         return
     for entry in directory.iterdir():
-        if entry.name.startswith(".") and (entry.name.endswith(".tmp") or ".tmp-" in entry.name):
+        if (entry.name.startswith(".") and (entry.name.endswith(".tmp") or ".tmp-" in entry.name)
+                and record.owns(entry)):
             if entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
             else:

@@ -23,6 +23,7 @@ finite state.
 """
 
 import bisect
+import io
 import json
 import math
 import os
@@ -91,9 +92,10 @@ class RunHistory:
         """The learning rate of the newest step (None if never recorded)."""
         return self.changes[-1]["learning_rate"] if self.changes else None
 
-    def save(self):
-        """Writes the history.json copy atomically (never read back by a resume)."""
-        atomic_write(self.path, json.dumps(self.to_json()))
+    def save(self, record):
+        """Writes the history.json copy atomically (never read back by a
+        resume), recorded in `record` (`launch.outputs.Record`)."""
+        atomic_write(self.path, json.dumps(self.to_json()), record)
 
     def mismatches(self, run):
         """{key: (recorded, now)} for the run settings that differ."""
@@ -134,8 +136,9 @@ class RunHistory:
                     out.setdefault(key, []).append(value)
         return out
 
-    def plot_loss(self, path):
-        """Writes a PNG: each step's training loss, epoch means and validation loss."""
+    def plot_loss(self, path, record):
+        """Writes a PNG, atomically and recorded in `record`: each step's
+        training loss, epoch means and validation loss."""
         # The object-oriented API with the Agg canvas: no pyplot state and no
         # global backend switch in the calling process.
         # pylint: disable=import-outside-toplevel
@@ -168,7 +171,9 @@ class RunHistory:
         ax.grid(True, alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(path)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png")
+        atomic_write(path, buffer.getvalue(), record)
 
 
 class TensorBoardLog:
@@ -188,8 +193,9 @@ class TensorBoardLog:
     RUNS = ("steps", "train", "validation")
     _FROM = re.compile(r"\.from-([0-9]+)\.v2$")
 
-    def __init__(self, directory, steps_per_file=10_000):
+    def __init__(self, directory, record, steps_per_file=10_000):
         self.dir = pathlib.Path(directory)
+        self.record = record  # `launch.outputs.Record`: only its files are trimmed
         self.steps_per_file = int(steps_per_file)
         self._writers = {}
         self.first_step = 1  # the step the current files start at
@@ -202,7 +208,7 @@ class TensorBoardLog:
             folder = self.dir / run
             for entry in (folder.iterdir() if folder.is_dir() else ()):
                 match = self._FROM.search(entry.name)
-                if match:
+                if match and self.record.owns(entry):
                     files[entry] = int(match.group(1))
             for entry, first in files.items():
                 if first > step:
@@ -223,8 +229,12 @@ class TensorBoardLog:
 
     def _writer(self, run):
         if run not in self._writers:
+            folder = self.dir / run
+            self.record.make_dir(folder)
+            before = {entry.name for entry in folder.iterdir()}
             self._writers[run] = tf.summary.create_file_writer(
-                str(self.dir / run), filename_suffix=f".from-{self.first_step:010d}.v2")
+                str(folder), filename_suffix=f".from-{self.first_step:010d}.v2")
+            self.record.add_new_files(folder, before)  # TensorFlow named it
         return self._writers[run]
 
     def step(self, entry):

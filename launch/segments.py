@@ -33,16 +33,17 @@ def name(step):
     return f"steps-{int(step):010d}.json"
 
 
-def write(directory, step, tail, previous):
+def write(directory, step, tail, previous, record):
     """Writes the segment of checkpoint `step`: `tail` (a dict of the lists in
     `KEYS`, what the history gained since `previous`, the newest segment's
-    reference or None). Returns this segment's reference {name, sha256}."""
+    reference or None), recorded in `record` (`launch.outputs.Record`).
+    Returns this segment's reference {name, sha256}."""
     directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    record.make_dir(directory)
     body = {"format": FORMAT, "step": int(step), "previous": previous,
             **{k: list(tail[k]) for k in KEYS}}
     text = canonical(body)
-    atomic_write(directory / name(step), text)
+    atomic_write(directory / name(step), text, record)
     return {"name": name(step), "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
@@ -74,12 +75,13 @@ def read(directory, ref):
     return out
 
 
-def prune_after(directory, step):
-    """Deletes the segments of steps after `step` (of checkpoints a resume skipped)."""
+def prune_after(directory, step, record):
+    """Deletes the segments of steps after `step` (of checkpoints a resume
+    skipped) that `record` names."""
     directory = pathlib.Path(directory)
-    if not directory.is_dir():
+    if not directory.is_dir() or directory.is_symlink():
         return
     for entry in directory.iterdir():
         match = _SEGMENT_FILE.fullmatch(entry.name)
-        if match and int(match.group(1)) > step:
+        if match and int(match.group(1)) > step and record.owns(entry):
             entry.unlink(missing_ok=True)

@@ -115,31 +115,40 @@ def train(config, callbacks=()):
             print(f"launch.train: warning: taking over --model_dir={config.model_dir} from "
                   f"a run that ended without releasing it ({lock.previous}).",
                   file=sys.stderr, flush=True)
-        _prepare_model_dir(config)
+        record = _prepare_model_dir(config)
         with quiet_start_up():
             from launch import trainer  # pylint: disable=import-outside-toplevel
 
-        return trainer.train(config, callbacks, stop, before_save=lock.check)
+        return trainer.train(config, callbacks, stop, before_save=lock.check, record=record)
 
 
 def _prepare_model_dir(config):
     """Before TensorFlow starts, holding the lock: a fresh run refuses a
     --model_dir that holds a previous run's outputs, unless --overwrite, which
-    deletes those and only those (`launch.outputs`)."""
-    if config.resume:
-        return
-    found = outputs.find(config.model_dir)
-    if not found:
-        return
-    if not config.overwrite:
+    deletes those and only those (`launch.outputs`). Returns the run's
+    `outputs.Record`, its folders made (and recorded where this run made them)."""
+    model_dir = config.model_dir
+    found = [] if config.resume else outputs.find(model_dir)
+    if found and not config.overwrite:
         raise RunError(
-            f"--model_dir={config.model_dir} holds a previous run "
-            f"({outputs.describe(found, config.model_dir)}). Continue it with --resume, "
+            f"--model_dir={model_dir} holds a previous run "
+            f"({outputs.describe(found, model_dir)}). Continue it with --resume, "
             f"start afresh with --overwrite (deletes only the files launch.train wrote), or "
             f"pass another --model_dir.")
-    removed = outputs.remove(config.model_dir)
-    print(f"--overwrite: removed the {len(removed)} file(s) the previous run wrote in "
-          f"{config.model_dir}.", flush=True)
+    if found:
+        removed, notes = outputs.remove(model_dir)
+        for note in notes:
+            print(f"launch.train: warning: --overwrite: {note}.", file=sys.stderr, flush=True)
+        print(f"--overwrite: removed the {len(removed)} file(s) the previous run wrote in "
+              f"{model_dir}.", flush=True)
+    record = outputs.Record(model_dir)
+    if config.resume and not record.exists:
+        # Written before the record: its files are the trainer's by their manifests.
+        for path in outputs.legacy_files(model_dir):
+            record.add(path)
+    for folder in outputs.run_folders(config.timeline):
+        record.make_dir(os.path.join(model_dir, folder))
+    return record
 
 
 

@@ -295,14 +295,16 @@ def _resume_point(store, run, model_dir, reshard=False):
     return found.step, found.manifest
 
 
-def train(config, callbacks=(), stop=None, before_save=None):
+def train(config, callbacks=(), stop=None, before_save=None, record=None):
     """Trains `config.model` on `config.dataset` as a tfpipe pipeline.
 
     Call it through `launch.train.train`, which checks `config`, holds the
     lock on `config.model_dir` and prepares it, and passes the
-    `launch.signals.StopRequest` (`stop`) and the lock's check (`before_save`,
-    run before each checkpoint) while this runs. See that function.
+    `launch.signals.StopRequest` (`stop`), the lock's check (`before_save`,
+    run before each checkpoint) and the `launch.outputs.Record` of what the
+    run writes (`record`) while this runs. See that function.
     """
+    record = record if record is not None else outputs.Record(config.model_dir)
     stop = stop if stop is not None else signals.StopRequest()
     spec = MODELS[config.model]
     dataset = spec.default_dataset if config.dataset == "auto" else config.dataset
@@ -354,11 +356,11 @@ def train(config, callbacks=(), stop=None, before_save=None):
     model_dir = pathlib.Path(config.model_dir)
     checkpoint_dir = model_dir / checkpoints.CHECKPOINT_DIR
     history_path = model_dir / history_lib.HISTORY_FILE
-    files.remove_temporary_files(model_dir)
-    files.remove_temporary_files(checkpoint_dir)
+    files.remove_temporary_files(model_dir, record)
+    files.remove_temporary_files(checkpoint_dir, record)
     # The checkpoint object is set once the model exists; finding and checking
     # what to resume from needs only the files, so a refusal comes first.
-    store = checkpoints.CheckpointStore(checkpoint_dir, checkpoint=None)
+    store = checkpoints.CheckpointStore(checkpoint_dir, checkpoint=None, record=record)
     resume_step = manifest = None
     if config.resume:
         resume_step, manifest = _resume_point(store, run, model_dir, config.reshard)
@@ -391,7 +393,7 @@ def train(config, callbacks=(), stop=None, before_save=None):
             history_path, store.restore(resume_step, manifest, strict=config.reshard),
             saved_ref=manifest["history_ref"])
         # Segments past the checkpoint belong to checkpoints the resume skipped.
-        segments.prune_after(store.dir / outputs.HISTORY_SEGMENTS, resume_step)
+        segments.prune_after(store.dir / outputs.HISTORY_SEGMENTS, resume_step, record)
         if config.reshard:
             changed = [k for k in LAYOUT_SETTINGS if history.run.get(k) != run[k]]
             previous = {k: history.run.get(k) for k in changed}
@@ -417,7 +419,7 @@ def train(config, callbacks=(), stop=None, before_save=None):
     if verbose:  # what this configuration costs, before the first step (tfpipe.plan)
         print(tfpipe.plan(model, config.batch_size, config.microbatches, repeats=1), flush=True)
     timer = StepTimer()
-    board = history_lib.TensorBoardLog(model_dir / history_lib.TENSORBOARD_DIR)
+    board = history_lib.TensorBoardLog(model_dir / history_lib.TENSORBOARD_DIR, record)
     board.resume(start_step)  # drops only the logs of steps after the checkpoint
     variables = list(model.weights) + list(model.optimizer.variables)
     checkpointer = checkpoints.Checkpointer(store, step, config.checkpoint_every,
@@ -426,13 +428,16 @@ def train(config, callbacks=(), stop=None, before_save=None):
                                             after_save=[board.rotate],
                                             before_save=[before_save] if before_save else [])
     timeline = None
+    pipeline_board = model_dir / history_lib.TENSORBOARD_DIR / "pipeline"
     if config.timeline:
         # One measured step (forward + backward, no update) when fit ends: a
         # Chrome trace and a Gantt chart, also shown in TensorBoard's Images.
         timeline = tfpipe.profile.PipelineTimeline(
             x_train[: config.batch_size], y_train[: config.batch_size],
-            log_dir=str(model_dir / "timeline"),
-            tensorboard_dir=str(model_dir / history_lib.TENSORBOARD_DIR / "pipeline"))
+            log_dir=str(model_dir / outputs.TIMELINE_DIR), tensorboard_dir=str(pipeline_board))
+        for suffix in (".json", ".png"):  # the names it will write, at the last epoch
+            record.add(model_dir / outputs.TIMELINE_DIR / f"timeline_epoch{config.epochs}{suffix}")
+        board_files = {entry.name for entry in outputs.entries(pipeline_board)}
     own_callbacks = [
         # First, so that its clock starts before the others' work at each hook.
         *([tfpipe.StepWatchdog(timeout_s=config.step_timeout, cluster=cluster_spec)]
@@ -471,12 +476,14 @@ def train(config, callbacks=(), stop=None, before_save=None):
         if epoch < config.epochs:
             fit(epoch * steps_per_epoch, total_steps, config.epochs, epoch, last_fit=True)
         checkpointer.save()  # the final state, whatever --checkpoint_every is
+        if timeline is not None:  # TensorFlow named the timeline's event file
+            record.add_new_files(pipeline_board, board_files)
     except checkpoints.StopRequested:
         if int(step) == start_step and store.latest_step is None:
             raise Stopped(f"{stop.name} before the first step: nothing to save.",
                           signals.exit_code(stop.signum)) from None
         path = checkpointer.save()
-        history.save()
+        history.save(record)
         raise Stopped(f"{stop.name} after step {int(step)}: saved {path}; --resume continues "
                       f"the run from there.", signals.exit_code(stop.signum)) from None
     except tf.errors.UnavailableError as err:
@@ -487,7 +494,7 @@ def train(config, callbacks=(), stop=None, before_save=None):
         raise WorkerLost(f"{tfpipe.cluster.describe_unavailable(err, cluster_spec)} {kept}") from None
     except Diverged as err:
         with contextlib.suppress(OSError):
-            history.save()  # the copy for people, up to the last finite step
+            history.save(record)  # the copy for people, up to the last finite step
         rate, lower = f"{config.learning_rate:g}", f"{config.learning_rate / 10:g}"
         kept = (f"the newest checkpoint, {store.latest_path}, is the last one saved (its "
                 f"weights are finite). Resuming with the same --learning_rate ({rate}) "
@@ -501,10 +508,10 @@ def train(config, callbacks=(), stop=None, before_save=None):
     finally:
         board.close()
 
-    history.save()
+    history.save(record)
     plot_path = model_dir / history_lib.LOSS_PLOT
     try:
-        history.plot_loss(plot_path)
+        history.plot_loss(plot_path, record)
     except (OSError, ValueError, RuntimeError) as err:  # the run itself is complete
         _warn(f"could not write {plot_path} ({type(err).__name__}: {err}); the run, its "
               f"checkpoint {store.latest_path} and {history_path} are complete.")

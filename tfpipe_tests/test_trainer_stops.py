@@ -121,7 +121,8 @@ def test_sigterm_at_a_random_moment_then_resume_equals_the_uninterrupted_run(
             start_new_session=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
         try:
             deadline = time.monotonic() + runs.CHILD_TIMEOUT
-            while proc.poll() is None and not (model_dir / "checkpoints").is_dir():
+            while proc.poll() is None and not list(
+                    (model_dir / "checkpoints").glob(f"*{checkpoints.MANIFEST}")):
                 assert time.monotonic() < deadline, "no checkpoint within the time limit"
                 time.sleep(0.002)
             time.sleep(float(rng.uniform(0.0, 0.05)))
@@ -187,7 +188,7 @@ def test_overwrite_deletes_only_what_the_previous_run_wrote(tmp_path, capsys, re
     ours = {str(p.relative_to(model_dir)) for p in outputs.find(model_dir)}
     assert ours == {name for name in before if name not in (
         "checkpoints/resnet50_best.h5", "notes.txt", "tensorboard/mine/events.out.tfevents.1.mine",
-        ".lock")}
+        ".lock", outputs.RECORD_FILE)}
     logs = runs.EpochLogs()
     result = train_lib.train(runs.config(model_dir, overwrite=True), callbacks=[logs])
     assert (f"--overwrite: removed the {len(ours)} file(s) the previous run wrote in "
@@ -290,9 +291,17 @@ def test_a_run_whose_lock_file_went_stops_before_its_next_save(tmp_path):
 
 
 def test_skipped_keeps_the_newest_checkpoints_set_aside(tmp_path):
-    store = checkpoints.CheckpointStore(tmp_path, None, keep=3)
+    """Only files the run's record names are moved or deleted: a user's file
+    named like a checkpoint stays where it is."""
+    record = outputs.Record(tmp_path)
+    store = checkpoints.CheckpointStore(tmp_path / "checkpoints", None, keep=3, record=record)
+    record.make_dir(store.dir)
+    (store.dir / "ckpt-4.h5").write_bytes(b"a user's")
     for step in (2, 4, 6, 8, 10):
-        (tmp_path / f"ckpt-{step}.index").write_bytes(b"x")
+        record.add(store.dir / f"ckpt-{step}.index")
+        (store.dir / f"ckpt-{step}.index").write_bytes(b"x")
         store.set_aside([f"ckpt-{step}"])
-    assert sorted(os.listdir(tmp_path / "skipped")) == [
+    assert sorted(os.listdir(store.dir / "skipped")) == [
         "ckpt-10.index", "ckpt-6.index", "ckpt-8.index"]
+    assert os.listdir(store.dir) == ["ckpt-4.h5", "skipped"] or sorted(
+        os.listdir(store.dir)) == ["ckpt-4.h5", "skipped"]
