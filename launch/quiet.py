@@ -56,6 +56,16 @@ def filter_start_up_log(text, level):
     return "".join(kept)
 
 
+_REAL_STDERR = []  # the terminal's descriptor while fd 2 is captured
+
+
+def stderr_fd():
+    """The descriptor that reaches the user's stderr now: fd 2, or the one
+    `quiet_start_up` saved while it captures fd 2 (a message written from a
+    signal handler during TensorFlow's loading must not be filtered away)."""
+    return _REAL_STDERR[-1] if _REAL_STDERR else 2
+
+
 @contextlib.contextmanager
 def quiet_start_up():
     """Runs the block, the first import of TensorFlow, with file descriptor 2
@@ -69,10 +79,12 @@ def quiet_start_up():
     saved = os.dup(2)
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 2)
+        _REAL_STDERR.append(saved)
         try:
             yield
         finally:  # also on an ImportError: its causes may be in what was captured
             sys.stderr.flush()
+            _REAL_STDERR.pop()
             os.dup2(saved, 2)
             os.close(saved)
             captured.seek(0)

@@ -66,13 +66,18 @@ class RunLock:
                 f"their checkpoints. Wait for it to end"
                 f"{f', stop it (kill {pid})' if pid else ''}, or pass another "
                 f"--model_dir.") from None
-        self.previous = _read(fd, tries=1) or None
-        started = datetime.datetime.now().isoformat(timespec="seconds")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n"
-                  .encode(), 0)
-        os.fsync(fd)
-        self._fd = fd
+        try:
+            self.previous = _read(fd, tries=1) or None
+            started = datetime.datetime.now().isoformat(timespec="seconds")
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n"
+                      .encode(), 0)
+            os.fsync(fd)
+            self._fd = fd
+        except BaseException:  # a signal's `Interrupted` too: never left half taken
+            os.ftruncate(fd, 0)
+            os.close(fd)
+            raise
         return self
 
     def check(self):

@@ -5,11 +5,23 @@ that signal, so schedulers that restart preempted jobs see one).
 
 Preemptible VMs, cluster schedulers and TPU maintenance send SIGTERM with a
 grace period; people press Ctrl-C (SIGINT); a closed terminal sends SIGHUP.
-The handler only records the signal: the training loop looks at the request
-after each step (`launch.checkpoints.StopOnRequest`), so the save happens
-between steps, never inside one. A second signal while that save runs stops
-at once (`os._exit`): the save commits with its manifest, written last, so
-the newest committed checkpoint is intact either way (`launch.checkpoints`).
+What the handler does depends on the phase of the run:
+
+- while training (and validating, and saving), it only records the signal:
+  the training loop looks at the request after each step
+  (`launch.checkpoints.StopOnRequest`), so the save happens between steps,
+  never inside one;
+- in a phase that has nothing to save and may take long (start-up:
+  TensorFlow's loading, data, the model, a restore; and the end of the run
+  after its final save: the timeline and the plot), the block runs inside
+  `interrupting()` and the handler raises `Interrupted` at once: the phase
+  is abandoned, not awaited.
+
+A second signal stops at once (`os._exit`), after the hooks given to
+`on_hard_exit` (the run's lock is released) and one line on the terminal
+(written to the real stderr even while TensorFlow's loading is captured):
+the save commits with its manifest, written last, so the newest committed
+checkpoint is intact either way (`launch.checkpoints`).
 
 Pure Python: `launch.train` installs the handlers before TensorFlow starts.
 
@@ -28,12 +40,24 @@ checkpoints; the tf_config workers agree with the all-reduce above, inside
 the step order Keras already runs.
 """
 
+import contextlib
 import os
 import signal
-import sys
 import threading
 
+from launch import quiet
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Interrupted(BaseException):
+    """Raised by the handler inside `StopRequest.interrupting()` (a
+    BaseException, like KeyboardInterrupt: no `except Exception` on the way
+    swallows it)."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def exit_code(signum):
@@ -51,6 +75,8 @@ class StopRequest:
     def __init__(self):
         self.signum = None
         self.by_another_worker = False  # set when a multi-worker run agreed on another's
+        self.interruptible = False  # inside `interrupting()`
+        self._hard_exit_hooks = []
         self._previous = {}
 
     @property
@@ -60,16 +86,40 @@ class StopRequest:
         name = signal.Signals(self.signum).name
         return f"{name} (to another worker)" if self.by_another_worker else name
 
+    def on_hard_exit(self, hook):
+        """Runs `hook()` (e.g. releasing the run's lock) before a second
+        signal ends the process at once."""
+        self._hard_exit_hooks.append(hook)
+
+    @contextlib.contextmanager
+    def interrupting(self):
+        """Inside the block a signal raises `Interrupted` at once (raised at
+        the block's start if one came before)."""
+        previous, self.interruptible = self.interruptible, True
+        try:
+            if self.signum is not None:
+                raise Interrupted(self.signum)
+            yield
+        finally:
+            self.interruptible = previous
+
     def _handle(self, signum, frame):  # pylint: disable=unused-argument
         name = signal.Signals(signum).name
         if self.signum is not None:
-            print(f"launch.train: {name} again: stopping now, without saving; the newest "
-                  f"committed checkpoint is intact (--resume continues from it).",
-                  file=sys.stderr, flush=True)
+            for hook in self._hard_exit_hooks:
+                try:
+                    hook()
+                except Exception:  # pylint: disable=broad-except
+                    pass  # exiting either way: the kernel drops the flock
+            say(f"launch.train: {name} again: stopping now, without saving; the newest "
+                f"committed checkpoint is intact (--resume continues from it).")
             os._exit(exit_code(signum))  # pylint: disable=protected-access
         self.signum = signum
-        print(f"launch.train: {name}: finishing this step, then saving a checkpoint "
-              f"(send it again to stop at once).", file=sys.stderr, flush=True)
+        if self.interruptible:
+            self.interruptible = False  # the stop itself is not interrupted again
+            raise Interrupted(signum)
+        say(f"launch.train: {name}: finishing this step, then saving a checkpoint (send it "
+            f"again to stop at once).")
 
     def install(self):
         """Makes the handlers current; again after TensorFlow set its own (a
@@ -89,3 +139,11 @@ class StopRequest:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+
+
+def say(line):
+    """Writes `line` to the user's stderr at once, from a signal handler too."""
+    data = (line + "\n").encode()
+    with contextlib.suppress(OSError):
+        while data:
+            data = data[os.write(quiet.stderr_fd(), data):]

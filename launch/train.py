@@ -41,6 +41,7 @@ they load, which ignore that level, are filtered by it (`quiet_start_up`).
 Tests and other code call `train(TrainConfig(...))` directly, without flags.
 """
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -60,7 +61,7 @@ from launch import outputs  # noqa: E402
 from launch import run_lock  # noqa: E402
 from launch import signals  # noqa: E402
 from launch.quiet import quiet_start_up  # noqa: E402
-from launch.config import RunError, TrainConfig  # noqa: E402
+from launch.config import RunError, Stopped, TrainConfig  # noqa: E402
 
 MODEL_NAMES = sorted(config_lib.MODEL_DATA)
 DATASETS = data_lib.BUILTIN
@@ -110,16 +111,27 @@ def train(config, callbacks=()):
       ImportError: the tensorboard package is missing.
     """
     config_lib.check(config)
-    with run_lock.RunLock(config.model_dir) as lock, signals.StopRequest() as stop:
-        if lock.previous:
-            print(f"launch.train: warning: taking over --model_dir={config.model_dir} from "
-                  f"a run that ended without releasing it ({lock.previous}).",
-                  file=sys.stderr, flush=True)
-        record = _prepare_model_dir(config)
-        with quiet_start_up():
-            from launch import trainer  # pylint: disable=import-outside-toplevel
-
-        return trainer.train(config, callbacks, stop, before_save=lock.check, record=record)
+    with signals.StopRequest() as stop:
+        try:
+            # Start-up has nothing to save: a signal abandons it at once.
+            with stop.interrupting(), contextlib.ExitStack() as held:
+                lock = held.enter_context(run_lock.RunLock(config.model_dir))
+                stop.on_hard_exit(lock.release)  # a second signal exits at once: unlocked
+                if lock.previous:
+                    print(f"launch.train: warning: taking over --model_dir={config.model_dir} "
+                          f"from a run that ended without releasing it ({lock.previous}).",
+                          file=sys.stderr, flush=True)
+                record = _prepare_model_dir(config)
+                with quiet_start_up():
+                    from launch import trainer  # pylint: disable=import-outside-toplevel
+                held = held.pop_all()  # the lock stays held for the run below
+            with held:
+                return trainer.train(config, callbacks, stop, before_save=lock.check,
+                                     record=record)
+        except signals.Interrupted as err:
+            raise Stopped(f"{err} before the first step: nothing was saved (a checkpoint "
+                          f"already in --model_dir is as it was).",
+                          signals.exit_code(err.signum)) from None
 
 
 def _prepare_model_dir(config):

@@ -306,6 +306,10 @@ def train(config, callbacks=(), stop=None, before_save=None, record=None):
     """
     record = record if record is not None else outputs.Record(config.model_dir)
     stop = stop if stop is not None else signals.StopRequest()
+    # Start-up (devices, data, model, restore) has nothing to save: a signal
+    # abandons it at once (`signals.Interrupted`, to the caller).
+    start_up = contextlib.ExitStack()
+    start_up.enter_context(stop.interrupting())
     spec = MODELS[config.model]
     dataset = spec.default_dataset if config.dataset == "auto" else config.dataset
     if importlib.util.find_spec("tensorboard") is None:
@@ -454,30 +458,27 @@ def train(config, callbacks=(), stop=None, before_save=None, record=None):
     ]
     validation = (x_val, y_val)
 
-    def fit(first_step, last_step, epochs, initial_epoch, last_fit):
+    def fit(first_step, last_step, epochs, initial_epoch):
         model.fit(
             order.dataset(x_train, y_train, first_step, last_step),
             epochs=epochs, initial_epoch=initial_epoch,
             steps_per_epoch=(last_step - first_step) // (epochs - initial_epoch),
             validation_data=validation, validation_batch_size=config.batch_size,
-            callbacks=[*own_callbacks, *([timeline] if timeline and last_fit else []),
-                       *callbacks],
+            callbacks=[*own_callbacks, *callbacks],
             verbose=verbose,
             shuffle=False,  # the order is BatchOrder's, a function of the step
         )
 
+    start_up.close()  # from here a signal is answered after the step, with a save
     try:
         epoch, into_epoch = divmod(start_step, steps_per_epoch)
         if start_step < total_steps and into_epoch:
             # Resumed mid-epoch: first the rest of that epoch, as its own Keras epoch.
-            fit(start_step, (epoch + 1) * steps_per_epoch, epoch + 1, epoch,
-                last_fit=epoch + 1 >= config.epochs)
+            fit(start_step, (epoch + 1) * steps_per_epoch, epoch + 1, epoch)
             epoch += 1
         if epoch < config.epochs:
-            fit(epoch * steps_per_epoch, total_steps, config.epochs, epoch, last_fit=True)
-        checkpointer.save()  # the final state, whatever --checkpoint_every is
-        if timeline is not None:  # TensorFlow named the timeline's event file
-            record.add_new_files(pipeline_board, board_files)
+            fit(epoch * steps_per_epoch, total_steps, config.epochs, epoch)
+        final = checkpointer.save()  # the final state, whatever --checkpoint_every is
     except checkpoints.StopRequested:
         if int(step) == start_step and store.latest_step is None:
             raise Stopped(f"{stop.name} before the first step: nothing to save.",
@@ -508,14 +509,25 @@ def train(config, callbacks=(), stop=None, before_save=None, record=None):
     finally:
         board.close()
 
-    history.save(record)
+    history.save(record)  # the copy for people: cheap, before what may be abandoned
     plot_path = model_dir / history_lib.LOSS_PLOT
     try:
-        history.plot_loss(plot_path, record)
-    except (OSError, ValueError, RuntimeError) as err:  # the run itself is complete
-        _warn(f"could not write {plot_path} ({type(err).__name__}: {err}); the run, its "
-              f"checkpoint {store.latest_path} and {history_path} are complete.")
-        plot_path = None
+        # The run is complete and saved: a signal abandons the timeline and the plot.
+        with stop.interrupting():
+            if timeline is not None:
+                timeline.set_model(model)
+                timeline.record(config.epochs)
+                record.add_new_files(pipeline_board, board_files)  # TensorFlow named it
+            try:
+                history.plot_loss(plot_path, record)
+            except (OSError, ValueError, RuntimeError) as err:  # the run itself is complete
+                _warn(f"could not write {plot_path} ({type(err).__name__}: {err}); the run, "
+                      f"its checkpoint {store.latest_path} and {history_path} are complete.")
+                plot_path = None
+    except signals.Interrupted as err:
+        raise Stopped(f"{err} after the run's last step ({int(step)}): saved {final}; the run "
+                      f"is complete, its timeline and loss plot were left out.",
+                      signals.exit_code(err.signum)) from None
     per_epoch = history.per_epoch()
 
     def last(key):

@@ -369,7 +369,8 @@ class PipelineTimeline(keras.callbacks.Callback):
         self.paths = []
         self._epochs = 0
 
-    def _record(self, epoch):
+    def record(self, epoch):
+        """Times one step now and writes its files (as at the end of `epoch`)."""
         timeline = record_step(self.model, *self._timed_batch)
         os.makedirs(self.log_dir, exist_ok=True)
         stem = os.path.join(self.log_dir, f"timeline_epoch{epoch}")
@@ -391,8 +392,8 @@ class PipelineTimeline(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self._epochs = epoch + 1
         if self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0:
-            self._record(epoch + 1)
+            self.record(epoch + 1)
 
     def on_train_end(self, logs=None):
         if not self.every_n_epochs:
-            self._record(self._epochs)
+            self.record(self._epochs)
