@@ -258,7 +258,16 @@ class CheckpointStore:
                              history.saved_ref, self.record)
         tmp = self.dir / f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         self.record.add(tmp, "prefix")  # TensorFlow names the files under it
-        self.checkpoint.write(str(tmp), options=self.options)
+        try:
+            self.checkpoint.write(str(tmp), options=self.options)
+        except tf.errors.OpError as err:  # a full disk, a file size limit, an I/O error
+            reason = str(err.message).rsplit(";", 1)[-1].split("\n")[0]
+            reason = re.sub(r"\s*\[Op:\w+\]$", "", reason.strip())[:200]
+            raise RunError(
+                f"could not write checkpoint {name} in {self.dir}: {reason} "
+                f"({type(err).__name__}). Nothing after the newest committed checkpoint "
+                f"({self.latest_path or 'none yet'}) was saved; make room on the file "
+                f"system, then --resume.") from None
         files = {}
         for written in sorted(self.dir.glob(tmp.name + ".*")):
             final = self.dir / (name + written.name[len(tmp.name):])

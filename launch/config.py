@@ -21,6 +21,7 @@ Exit codes of `python -m launch.train` (the `exit_code` of each error class):
 """
 
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -117,6 +118,7 @@ EXECUTIONS = ("auto",) + tuple(tfpipe_config.EXECUTIONS)  # auto: tfpipe's choic
 
 KEEP_CHECKPOINTS = 3  # the newest this many committed checkpoints are kept
 MAX_SEED = 2**32 - 1  # numpy's legacy seeding (keras.utils.set_random_seed) takes < 2**32
+MAX_BATCH = 2**31 - 1  # rows of a batch: TensorFlow's int32 shapes
 
 
 # How tfpipe's own checks name the settings in their messages: as our flags.
@@ -139,6 +141,13 @@ def _int_at_least(low, what):
             return f"must be {bound} ({what}), got {value!r}"
         return None
     return check
+
+
+def _batch_size(value):
+    message = _int_at_least(1, "rows per training step")(value)
+    if message is None and value > MAX_BATCH:
+        return f"must be at most 2**31 - 1 (rows per training step), got {value!r}"
+    return message
 
 
 def _check_model(value):
@@ -294,7 +303,7 @@ FIELD_CHECKS = {
     "schedule": _check_schedule,
     "recompute": _check_choice(RECOMPUTE_MODES),
     "execution": _check_choice(EXECUTIONS),
-    "batch_size": _int_at_least(1, "rows per training step"),
+    "batch_size": _batch_size,
     "epochs": _int_at_least(1, "training epochs"),
     "steps_per_epoch": _int_at_least(0, "0: one pass over the training data"),
     "logical_cpus": _int_at_least(1, "logical CPU devices"),
@@ -405,6 +414,32 @@ def _replicas_are_local(s):
     return None
 
 
+def gpus_may_exist():
+    """Whether TensorFlow may find a GPU here, read without TensorFlow: an
+    NVIDIA (or ROCm) device file, and CUDA_VISIBLE_DEVICES not hiding them."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))
+
+
+def _devices_exist(s):
+    if s["cluster"]:
+        return None  # the workers' devices: _cluster_holds_the_stages
+    try:
+        needed = schedules.devices_needed(s["schedule"], s["stages"])
+    except ValueError:
+        return None  # _stages_fit_the_schedule says why
+    needed *= replica_count(s["replicas"])
+    if needed > s["logical_cpus"] and not gpus_may_exist():
+        replicas = (f" and --replicas={s['replicas']}" if s["replicas"] not in ("1", "tf_config")
+                    else "")
+        return (f"--stages={s['stages']} with --schedule={s['schedule']}{replicas} needs "
+                f"{needed} devices, but --logical_cpus={s['logical_cpus']} (and there is no "
+                f"GPU). Use --logical_cpus={needed}.")
+    return None
+
+
 def _watchdog_watches_a_cluster(s):
     if s["step_timeout"] and not s["cluster"]:
         return (f"--step_timeout={s['step_timeout']:g} watches the workers of --cluster, "
@@ -423,6 +458,7 @@ CROSS_CHECKS = [
     (("cluster", "stages", "schedule"), _cluster_holds_the_stages),
     (("step_timeout", "cluster"), _watchdog_watches_a_cluster),
     (("replicas", "cluster"), _replicas_are_local),
+    (("stages", "schedule", "replicas", "logical_cpus", "cluster"), _devices_exist),
 ]
 
 

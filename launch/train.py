@@ -348,6 +348,21 @@ def main(argv):
         print(f"launch.train: error: {err.strerror or err}{where}. Nothing after the newest "
               f"committed checkpoint was saved.", file=sys.stderr, flush=True)
         return 1
+    except MemoryError as err:
+        print(f"launch.train: error: out of memory ({err or 'MemoryError'}) with "
+              f"--batch_size={config.batch_size}. Use a smaller --batch_size (or --stages, "
+              f"--microbatches to spread it). Nothing after the newest committed checkpoint "
+              f"was saved.", file=sys.stderr, flush=True)
+        return 1
+    except Exception as err:  # pylint: disable=broad-except
+        if not type(err).__module__.startswith("tensorflow"):
+            raise
+        # TensorFlow's own errors (resources, devices): one line, its first.
+        message = str(getattr(err, "message", err)).strip().splitlines()
+        print(f"launch.train: error: TensorFlow {type(err).__name__}: "
+              f"{message[0][:300] if message else ''}. Nothing after the newest committed "
+              f"checkpoint was saved.", file=sys.stderr, flush=True)
+        return 1
     print(format_summary(config, result))
     return 0
 

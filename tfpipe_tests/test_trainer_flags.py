@@ -105,6 +105,11 @@ BAD_FLAGS = [
      "\"task\": {\"type\": \"worker\", \"index\": 0}}'."),
     ("--epochs=2 extra", "launch.train: error: unexpected arguments ['extra'] (flags take the "
                          "form --name=value; --helpfull lists them)"),
+    ("--batch_size=99999999999999", "flag --batch_size=99999999999999: must be at most "
+                                    "2**31 - 1 (rows per training step), got 99999999999999"),
+    ("--stages=8", "flags stages=8, schedule=gpipe, replicas=1, logical_cpus=4, cluster=: "
+                   "--stages=8 with --schedule=gpipe needs 8 devices, but --logical_cpus=4 "
+                   "(and there is no GPU). Use --logical_cpus=8."),
 ]
 
 

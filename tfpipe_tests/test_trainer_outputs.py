@@ -153,3 +153,44 @@ def test_an_output_name_taken_by_a_link_is_refused_before_tensorflow(tmp_path, r
     assert _hashes(outside) == outside_before
     assert {k: v for k, v in _hashes(model_dir).items() if k != ".lock"} == \
         {k: v for k, v in before.items() if k != ".lock"}
+
+
+# A file size limit on the process: TensorFlow's checkpoint write fails as on a
+# full disk (its own error, inside its C++ writer).
+_MAIN_WITH_FILE_SIZE_LIMIT = (
+    "import resource, runpy, signal, sys\n"
+    "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails, the process lives\n"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))\n"
+    "sys.argv = ['launch.train'] + sys.argv[1:]\n"
+    "runpy.run_module('launch.train', run_name='__main__', alter_sys=True)\n")
+
+
+def test_a_full_disk_inside_tensorflows_checkpoint_write_is_one_line(tmp_path, reference):
+    """The checkpoint (300 kB of data and more) cannot be written: one line
+    naming it and what was kept, exit 1; the resume equals the reference run."""
+    model_dir = tmp_path / "run"
+    proc = helpers.run_child(["-c", _MAIN_WITH_FILE_SIZE_LIMIT, f"--model_dir={model_dir}",
+                              *runs.FLAGS], runs.CHILD_TIMEOUT)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("launch.train:")]
+    assert lines == [
+        f"launch.train: error: could not write checkpoint ckpt-3 in {model_dir}/checkpoints: "
+        f"File too large (OutOfRangeError). Nothing after the newest committed checkpoint "
+        f"(none yet) was saved; make room on the file system, then --resume."], proc.stderr
+    assert "Traceback" not in proc.stderr
+    logs = runs.EpochLogs()
+    result = runs.train_lib.train(runs.config(model_dir, resume=True), callbacks=[logs])
+    assert result["start_step"] == 0
+    runs.assert_same_as_reference(model_dir, result, logs, reference, first_epoch=0)
+
+
+def test_a_batch_that_does_not_fit_in_memory_is_one_line(tmp_path):
+    model_dir = tmp_path / "run"
+    proc = _train(model_dir, "--batch_size=1000000000", timeout=120)
+    assert proc.returncode == 1
+    last = proc.stderr.splitlines()[-2]  # before the helper's "tensorflow imported"
+    assert last.startswith("launch.train: error: out of memory (Unable to allocate ") and \
+        last.endswith("with --batch_size=1000000000. Use a smaller --batch_size (or --stages, "
+                      "--microbatches to spread it). Nothing after the newest committed "
+                      "checkpoint was saved."), proc.stderr
+    assert "Traceback" not in proc.stderr

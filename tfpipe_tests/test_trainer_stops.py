@@ -205,7 +205,7 @@ def _file(name):
 
 
 def _directory(name):
-    return lambda d: (d / name).mkdir()
+    return lambda d: (d / name).mkdir(parents=True)
 
 
 def _a_run_s_checkpoints_folder(d):
@@ -222,7 +222,14 @@ def _a_run_s_checkpoints_folder(d):
     (_a_run_s_checkpoints_folder, "{d} holds checkpoints itself: it looks like the "
                                   "checkpoints/ folder of a run. Pass the run's directory: "
                                   "--model_dir={parent}."),
-], ids=["checkpoints_is_a_file", "history_json_is_a_directory", "a_checkpoints_folder"])
+    (_directory("checkpoints/checkpoint"), "{d}/checkpoints/checkpoint is a directory, but the "
+                                           "run writes a file of that name. Move it, or pass "
+                                           "another --model_dir."),
+    (_directory("checkpoints/history/steps-3.json"),
+     "{d}/checkpoints/history/steps-3.json is a directory, but the run writes a file of that "
+     "name. Move it, or pass another --model_dir."),
+], ids=["checkpoints_is_a_file", "history_json_is_a_directory", "a_checkpoints_folder",
+        "a_folder_named_like_tf_state_file", "a_folder_named_like_a_history_segment"])
 def test_a_model_dir_that_cannot_take_the_outputs_is_one_line_before_tensorflow(
         tmp_path, prepare, message):
     model_dir = tmp_path / "run"
