@@ -32,6 +32,7 @@ holds a NaN and the newest is always the last finite state.
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import pathlib
 import re
@@ -102,6 +103,9 @@ class CheckpointStore:
         self.options = None
         self.keep = int(keep)
         self.latest_step = None  # the newest committed step this process knows
+        # Committed steps rotation spares besides the newest `keep` (the
+        # restart point a divergence would name: `Checkpointer`).
+        self.protected = set()
 
     def path(self, step):
         return str(self.dir / f"ckpt-{step}")
@@ -221,6 +225,11 @@ class CheckpointStore:
         for step in sorted(aside)[:-self.keep]:
             for entry in aside[step]:
                 entry.unlink()
+        state = self.dir / STATE_FILE
+        if self.committed_steps():
+            self._write_state()  # TF's copy no longer names what was set aside
+        elif self.record.owns(state):
+            state.unlink(missing_ok=True)
         fsync_dir(self.dir)
 
     # -- restore ------------------------------------------------------------------
@@ -306,7 +315,7 @@ class CheckpointStore:
     def _rotate(self):
         kept = self.committed_steps()[-self.keep:]
         for step in self.files_by_step():
-            if step < kept[0]:
+            if step < kept[0] and step not in self.protected:
                 self._delete(step)
 
     def _write_state(self):
@@ -382,11 +391,27 @@ class Checkpointer(keras.callbacks.Callback):
         if self._due(step) or not saved_this_epoch:
             self.save()
 
+    def restart_point(self):
+        """(step, its next step's loss) of the newest committed checkpoint from
+        before the loss climbed: among those whose next step was recorded with a
+        finite loss, the newest whose loss there is at most twice the lowest
+        (noise is not a climb). A divergence names it; rotation spares it.
+        None if there is none."""
+        candidates = [(step, self.history.loss_at(step + 1))
+                      for step in self.store.committed_steps()]
+        candidates = [(s, l) for s, l in candidates if l is not None and math.isfinite(l)]
+        if not candidates:
+            return None
+        lowest = min(l for _, l in candidates)
+        return [(s, l) for s, l in candidates if l <= lowest + abs(lowest)][-1]
+
     def save(self):
         """Saves a checkpoint numbered by the step (once per step); returns its path."""
         step = int(self.step_var)
         if self.store.latest_step == step:
             return self.store.path(step)
+        best = self.restart_point()
+        self.store.protected = {best[0]} if best else set()
         bad = non_finite_variables(self.variables)
         if bad:
             raise Diverged(

@@ -88,9 +88,18 @@ class RunHistory:
         self.saved_ref = ref
         self._saved = {key: len(getattr(self, key)) for key in segments.KEYS}
 
-    def learning_rate(self):
-        """The learning rate of the newest step (None if never recorded)."""
-        return self.changes[-1]["learning_rate"] if self.changes else None
+    def learning_rate(self, step=None):
+        """The learning rate in force at global step `step` (1-based; None:
+        the newest), or None if never recorded."""
+        rates = [c for c in self.changes if step is None or c["step"] < step]
+        return rates[-1]["learning_rate"] if rates else None
+
+    def loss_at(self, step):
+        """The training loss recorded at global step `step`, or None."""
+        i = bisect.bisect_left(self.steps, step, key=lambda s: s["step"])
+        if i < len(self.steps) and self.steps[i]["step"] == step:
+            return self.steps[i].get("loss")
+        return None
 
     def save(self, record):
         """Writes the history.json copy atomically (never read back by a

@@ -295,6 +295,34 @@ def _resume_point(store, run, model_dir, reshard=False):
     return found.step, found.manifest
 
 
+def _divergence_advice(store, checkpointer, history, step):
+    """Where to restart a run that diverged at `step`, and at which rate: the
+    newest checkpoint from before the loss climbed (`Checkpointer.restart_point`;
+    the newer ones, whose weights already led to the failure, are set aside so
+    that --resume takes it), at the rate that trained it or a tenth of the
+    rate that failed, whichever is lower; or, with no such checkpoint, a fresh
+    start at a tenth of the rate."""
+    failed = history.learning_rate(step)
+    best = checkpointer.restart_point()
+    newer = [s for s in store.committed_steps() if best is None or s > best[0]]
+    if newer:
+        store.set_aside([f"ckpt-{s}" for s in newer])
+    names = ", ".join(f"ckpt-{s}" for s in newer)
+    aside = (f" The {len(newer)} checkpoint(s) saved {'after it' if best else 'in the run'} "
+             f"({names}), whose weights led there, were set aside in "
+             f"{store.dir / checkpoints.SKIPPED_DIR}." if newer else "")
+    if best is None:
+        return (f"No checkpoint from before the loss climbed is left (the next step after each "
+                f"one saved was already non-finite, or none was saved).{aside} Start again with "
+                f"a lower learning rate: --overwrite --learning_rate={failed / 10:g}.")
+    k, loss = best
+    lower = min(failed / 10, history.learning_rate(k))
+    return (f"The newest checkpoint from before the loss climbed is {store.path(k)} (the "
+            f"loss was {loss:.4g} at step {k + 1}); --resume continues from it.{aside} "
+            f"Resume with a lower learning rate than the {failed:g} that failed: --resume "
+            f"--learning_rate={lower:g}.")
+
+
 def train(config, callbacks=(), stop=None, before_save=None, record=None):
     """Trains `config.model` on `config.dataset` as a tfpipe pipeline.
 
@@ -496,16 +524,9 @@ def train(config, callbacks=(), stop=None, before_save=None, record=None):
     except Diverged as err:
         with contextlib.suppress(OSError):
             history.save(record)  # the copy for people, up to the last finite step
-        rate, lower = f"{config.learning_rate:g}", f"{config.learning_rate / 10:g}"
-        kept = (f"the newest checkpoint, {store.latest_path}, is the last one saved (its "
-                f"weights are finite). Resuming with the same --learning_rate ({rate}) "
-                f"repeats the same steps and diverges again; resume with a lower one: "
-                f"--resume --learning_rate={lower}" if store.latest_path else
-                f"no checkpoint had been saved. Start again with a lower --learning_rate "
-                f"than {rate}: --overwrite --learning_rate={lower}")
-        raise Diverged(
-            f"training diverged: {err}. Stopped there; nothing non-finite was saved: "
-            f"{kept}.", err.step) from None
+        raise Diverged(f"training diverged: {err}. Stopped there; nothing non-finite was "
+                       f"saved. {_divergence_advice(store, checkpointer, history, err.step)}",
+                       err.step) from None
     finally:
         board.close()
 

@@ -13,6 +13,7 @@ own session, and are killed (the whole group) if they overrun.
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -338,19 +339,24 @@ def test_resume_of_a_finished_run_trains_nothing_and_says_so(tmp_path, capsys, r
 # -- divergence -------------------------------------------------------------------------
 
 
+_NONE_LEFT = (
+    "training diverged: the training loss is nan at step 2. Stopped there; nothing "
+    "non-finite was saved. No checkpoint from before the loss climbed is left (the next step "
+    "after each one saved was already non-finite, or none was saved). The 1 checkpoint(s) "
+    "saved in the run (ckpt-1), whose weights led there, were set aside in {ckpt}/skipped. "
+    "Start again with a lower learning rate: --overwrite --learning_rate=1e+08.")
+
+
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_finite_checkpoint(tmp_path):
+    """Diverged from the first update: ckpt-1's weights are finite but already
+    lead to a NaN, so it is set aside and the advice is a fresh start."""
     with pytest.raises(config_lib.Diverged) as err:
         train_lib.train(runs.config(tmp_path, learning_rate=1e9, checkpoint_every=1))
     ckpt = tmp_path / "checkpoints"
-    assert str(err.value) == (
-        f"training diverged: the training loss is nan at step 2. Stopped there; nothing "
-        f"non-finite was saved: the newest checkpoint, {ckpt}/ckpt-1, is the last one saved "
-        f"(its weights are finite). Resuming with the same --learning_rate (1e+09) repeats "
-        f"the same steps and diverges again; resume with a lower one: --resume "
-        f"--learning_rate=1e+08.")
+    assert str(err.value) == _NONE_LEFT.format(ckpt=ckpt)
     assert err.value.step == 2 and err.value.exit_code == 3
-    assert runs.committed(tmp_path) == [1]
-    for name, value in runs.checkpoint_tensors(str(ckpt / "ckpt-1")).items():
+    assert runs.committed(tmp_path) == []
+    for name, value in runs.checkpoint_tensors(str(ckpt / "skipped" / "ckpt-1")).items():
         if value.dtype.kind == "f":
             assert np.isfinite(value).all(), name
     assert [s["step"] for s in json.loads((tmp_path / "history.json").read_text())["steps"]] \
@@ -362,13 +368,9 @@ def test_divergence_from_the_command_line_exits_3(tmp_path):
     proc = _child(["-m", "launch.train", f"--model_dir={tmp_path}", "--learning_rate=1e9",
                    "--checkpoint_every=1", *runs.FLAGS[:5], *runs.FLAGS[6:]])
     assert proc.returncode == 3
-    assert proc.stderr.splitlines()[-1] == (
-        f"launch.train: error: training diverged: the training loss is nan at step 2. Stopped "
-        f"there; nothing non-finite was saved: the newest checkpoint, {tmp_path}/checkpoints/"
-        f"ckpt-1, is the last one saved (its weights are finite). Resuming with the same "
-        f"--learning_rate (1e+09) repeats the same steps and diverges again; resume with a "
-        f"lower one: --resume --learning_rate=1e+08.")
-    assert runs.committed(tmp_path) == [1]
+    assert proc.stderr.splitlines()[-1] == "launch.train: error: " + _NONE_LEFT.format(
+        ckpt=tmp_path / "checkpoints")
+    assert runs.committed(tmp_path) == []
 
 
 class _PoisonAdamSlot(keras.callbacks.Callback):
@@ -394,13 +396,13 @@ def test_non_finite_weights_are_never_saved(tmp_path):
     with pytest.raises(config_lib.Diverged) as err:
         train_lib.train(runs.config(tmp_path, checkpoint_every=1), callbacks=[poison])
     ckpt = tmp_path / "checkpoints"
-    assert str(err.value) == (
-        f"training diverged: after step 3 2 variable(s) hold NaN or infinite values "
-        f"({', '.join(poison.names)}), although the loss was finite. Stopped there; nothing "
-        f"non-finite was saved: the newest checkpoint, {ckpt}/ckpt-2, is the last one saved "
-        f"(its weights are finite). Resuming with the same --learning_rate (0.001) repeats "
-        f"the same steps and diverges again; resume with a lower one: --resume "
-        f"--learning_rate=0.0001.")
+    assert re.fullmatch(
+        rf"training diverged: after step 3 2 variable\(s\) hold NaN or infinite values "
+        rf"\({re.escape(', '.join(poison.names))}\), although the loss was finite\. Stopped "
+        rf"there; nothing non-finite was saved\. The newest checkpoint from before the loss "
+        rf"climbed is {ckpt}/ckpt-2 \(the loss was [0-9.]+ at step 3\); --resume continues "
+        rf"from it\. Resume with a lower learning rate than the 0\.001 that failed: --resume "
+        rf"--learning_rate=0\.0001\.", str(err.value)), str(err.value)
     assert err.value.step == 3 and runs.committed(tmp_path) == [1, 2]
     # The advice can be followed: the resume at the lower rate is accepted, runs
     # at it, and the history records from which step.
@@ -410,6 +412,31 @@ def test_non_finite_weights_are_never_saved(tmp_path):
     assert float(result["model"].optimizer.learning_rate.numpy()) == pytest.approx(1e-4)
     assert runs.manifest(tmp_path, 10)["history"]["changes"] == [
         {"step": 0, "learning_rate": 1e-3}, {"step": 2, "learning_rate": 1e-4}]
+
+
+def test_the_divergence_advice_trains_past_the_failing_step(tmp_path):
+    """5 steps at 1e-3, then a resume at 1e9 diverges at step 7: the advice
+    names ckpt-5 (ckpt-6's weights led there: set aside) and the rate that
+    trained it; following it trains past step 7 to the end, every loss finite."""
+    train_lib.train(runs.config(tmp_path, checkpoint_every=1, epochs=1))
+    with pytest.raises(config_lib.Diverged) as err:
+        train_lib.train(runs.config(tmp_path, checkpoint_every=1, resume=True,
+                                    learning_rate=1e9))
+    ckpt = tmp_path / "checkpoints"
+    assert err.value.step == 7
+    assert re.search(rf"The newest checkpoint from before the loss climbed is {ckpt}/ckpt-5 "
+                     rf"\(the loss was [0-9.]+ at step 6\); --resume continues from it\. The 1 "
+                     rf"checkpoint\(s\) saved after it \(ckpt-6\), whose weights led there, "
+                     rf"were set aside in {ckpt}/skipped\. Resume with a lower learning rate "
+                     rf"than the 1e\+09 that failed: --resume --learning_rate=0\.001\.$",
+                     str(err.value)), str(err.value)
+    rate = float(str(err.value).rsplit("--learning_rate=", 1)[1].rstrip("."))
+    result = train_lib.train(runs.config(tmp_path, checkpoint_every=1, resume=True,
+                                         learning_rate=rate))
+    assert result["start_step"] == 5 and result["steps"] == 10
+    steps = runs.manifest(tmp_path, 10)["history"]["steps"]
+    assert [s["step"] for s in steps] == list(range(1, 11))
+    assert all(np.isfinite(s["loss"]) for s in steps)
 
 
 # -- one run per --model_dir -----------------------------------------------------------
