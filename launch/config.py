@@ -240,6 +240,29 @@ def _check_replicas(value):
             f"worker runs the same command)")
 
 
+def chief_or_worker(config):
+    """None for a process that writes its --model_dir itself; for a worker of a
+    --replicas=tf_config cluster, ("chief", 0), or ("worker", k) for one that
+    is not the chief (TF_CONFIG's "chief" task, else worker 0), which writes
+    in a scratch folder (read without TensorFlow)."""
+    if config.replicas != "tf_config":
+        return None
+    spec = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    task = spec.get("task", {})
+    kind, index = task.get("type", "worker"), int(task.get("index", 0))
+    chief = kind == "chief" or (index == 0 and "chief" not in spec.get("cluster", {}))
+    return ("chief", 0) if chief else (kind, index)
+
+
+DEFAULT_PEER_TIMEOUT = 300.0  # seconds: a tf_config worker's bound on waiting for its peers
+
+
+def peer_timeout(config):
+    """How long a --replicas=tf_config worker waits for its peers (at start-up,
+    in a collective, for a stop): --step_timeout, else `DEFAULT_PEER_TIMEOUT`."""
+    return float(config.step_timeout or DEFAULT_PEER_TIMEOUT)
+
+
 def replica_count(replicas):
     """N of --replicas=N; 1 for tf_config (each process holds one pipeline)."""
     return 1 if replicas == "tf_config" else int(replicas)
@@ -441,9 +464,10 @@ def _devices_exist(s):
 
 
 def _watchdog_watches_a_cluster(s):
-    if s["step_timeout"] and not s["cluster"]:
-        return (f"--step_timeout={s['step_timeout']:g} watches the workers of --cluster, "
-                f"and there is none: use it with --cluster=local:N or --cluster=tf_config.")
+    if s["step_timeout"] and not s["cluster"] and s["replicas"] != "tf_config":
+        return (f"--step_timeout={s['step_timeout']:g} watches the workers of --cluster or "
+                f"--replicas=tf_config, and there are none: use it with --cluster=local:N, "
+                f"--cluster=tf_config or --replicas=tf_config.")
     return None
 
 
@@ -456,7 +480,7 @@ CROSS_CHECKS = [
     (("stages", "schedule", "microbatches"), _stages_fit_the_schedule),
     (("execution", "recompute"), _loop_recomputes),
     (("cluster", "stages", "schedule"), _cluster_holds_the_stages),
-    (("step_timeout", "cluster"), _watchdog_watches_a_cluster),
+    (("step_timeout", "cluster", "replicas"), _watchdog_watches_a_cluster),
     (("replicas", "cluster"), _replicas_are_local),
     (("stages", "schedule", "replicas", "logical_cpus", "cluster"), _devices_exist),
 ]

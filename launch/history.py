@@ -51,8 +51,9 @@ class RunHistory:
       steps: list of {"step": s (steps done, 1-based), "rows": batch rows,
         "loss": ..., <metric>: ...}, in order: each step's own values.
       epochs: list of {"epoch": e (1-based), "step": s, "val_loss": ..., ...}.
-      changes: list of {"step": s, "learning_rate": lr}: the settings a resume
-        may change, from step s on (the first entry at step 0).
+      changes: list of {"step": s, "learning_rate": lr} and {"step": s,
+        "reshard": {setting: [before, after]}}: what a resume changed, from
+        step s on (the first entry, the learning rate at step 0).
     """
 
     def __init__(self, path, run, steps=None, epochs=None, changes=None):
@@ -91,7 +92,8 @@ class RunHistory:
     def learning_rate(self, step=None):
         """The learning rate in force at global step `step` (1-based; None:
         the newest), or None if never recorded."""
-        rates = [c for c in self.changes if step is None or c["step"] < step]
+        rates = [c for c in self.changes if "learning_rate" in c
+                 and (step is None or c["step"] < step)]
         return rates[-1]["learning_rate"] if rates else None
 
     def loss_at(self, step):

@@ -91,6 +91,14 @@ class StopRequest:
         signal ends the process at once."""
         self._hard_exit_hooks.append(hook)
 
+    def run_hard_exit_hooks(self):
+        """Runs the `on_hard_exit` hooks (the process is about to `os._exit`)."""
+        for hook in self._hard_exit_hooks:
+            try:
+                hook()
+            except Exception:  # pylint: disable=broad-except
+                pass  # exiting either way: the kernel drops the flock
+
     @contextlib.contextmanager
     def interrupting(self):
         """Inside the block a signal raises `Interrupted` at once (raised at
@@ -106,11 +114,7 @@ class StopRequest:
     def _handle(self, signum, frame):  # pylint: disable=unused-argument
         name = signal.Signals(signum).name
         if self.signum is not None:
-            for hook in self._hard_exit_hooks:
-                try:
-                    hook()
-                except Exception:  # pylint: disable=broad-except
-                    pass  # exiting either way: the kernel drops the flock
+            self.run_hard_exit_hooks()
             say(f"launch.train: {name} again: stopping now, without saving; the newest "
                 f"committed checkpoint is intact (--resume continues from it).")
             os._exit(exit_code(signum))  # pylint: disable=protected-access
@@ -136,6 +140,8 @@ class StopRequest:
         return self
 
     def __exit__(self, *exc):
+        if self.signum is not None:
+            return  # stopping: a later signal still ends the process at once, with its line
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}

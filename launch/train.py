@@ -45,7 +45,9 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import sys
+import tempfile
 
 # TensorFlow's C++ log level (0: all, 1: no INFO, 2: no WARNING either, 3: no ERROR
 # either), read when TensorFlow loads. 2 unless the user chose: quiet, errors visible.
@@ -60,6 +62,7 @@ from launch import data as data_lib  # noqa: E402
 from launch import outputs  # noqa: E402
 from launch import run_lock  # noqa: E402
 from launch import signals  # noqa: E402
+from launch import supervisor  # noqa: E402
 from launch.quiet import quiet_start_up  # noqa: E402
 from launch.config import RunError, Stopped, TrainConfig  # noqa: E402
 
@@ -67,7 +70,7 @@ MODEL_NAMES = sorted(config_lib.MODEL_DATA)
 DATASETS = data_lib.BUILTIN
 
 
-def train(config, callbacks=()):
+def train(config, callbacks=(), scratch=None):
     """Trains `config.model` on `config.dataset` as a tfpipe pipeline.
 
     Batches are drawn by `launch.data.BatchOrder`, a pure function of the
@@ -88,6 +91,9 @@ def train(config, callbacks=()):
     Args:
       config: a `TrainConfig`.
       callbacks: more Keras callbacks for `fit`, after launch.train's own.
+      scratch: for a --replicas=tf_config worker that is not the chief, the
+        folder it writes in (see `scratch_folder`; None: one of its own,
+        removed at the end).
 
     Returns:
       A dict: "history" (per-epoch lists, as Keras' History.history, over the
@@ -111,6 +117,42 @@ def train(config, callbacks=()):
       ImportError: the tensorboard package is missing.
     """
     config_lib.check(config)
+    role = config_lib.chief_or_worker(config)
+    if role is not None and role[0] != "chief":
+        return _train_beside_the_chief(config, callbacks, scratch)
+    return _train(config, callbacks)
+
+
+def scratch_folder(config):
+    """For a --replicas=tf_config worker that is not the chief, a new scratch
+    folder to write in (the caller removes it); else None."""
+    role = config_lib.chief_or_worker(config)
+    if role is None or role[0] == "chief":
+        return None
+    return tempfile.mkdtemp(prefix=f"launch-train-{role[0]}{role[1]}-")
+
+
+def _train_beside_the_chief(config, callbacks, scratch):
+    """A --replicas=tf_config worker that is not the chief: one --model_dir for
+    the cluster means the chief writes it; this worker trains the same steps,
+    writing in `scratch` (a folder removed at the end; None: one made here),
+    and resumes from the chief's checkpoints (Keras' convention for
+    multi-worker callbacks)."""
+    own = scratch is None
+    scratch = scratch or scratch_folder(config)
+    try:
+        result = _train(dataclasses.replace(config, model_dir=scratch, overwrite=False),
+                        callbacks, resume_from=os.path.join(config.model_dir,
+                                                            outputs.CHECKPOINT_DIR))
+    finally:
+        if own:
+            shutil.rmtree(scratch, ignore_errors=True)
+    # What it wrote is gone: the run's files are the chief's.
+    return dict(result, loss_plot=os.path.join(config.model_dir, outputs.LOSS_PLOT),
+                timeline=None, timeline_summary=None)
+
+
+def _train(config, callbacks, resume_from=None):
     with signals.StopRequest() as stop:
         try:
             # Start-up has nothing to save: a signal abandons it at once.
@@ -127,7 +169,7 @@ def train(config, callbacks=()):
                 held = held.pop_all()  # the lock stays held for the run below
             with held:
                 return trainer.train(config, callbacks, stop, before_save=lock.check,
-                                     record=record)
+                                     record=record, resume_from=resume_from)
         except signals.Interrupted as err:
             raise Stopped(f"{err} before the first step: nothing was saved (a checkpoint "
                           f"already in --model_dir is as it was).",
@@ -262,12 +304,17 @@ flags.DEFINE_string("replicas", _DEFAULTS.replicas,
                     "Data parallel x pipeline. N: N copies of the pipeline in this process "
                     "(N x the pipeline's devices), each on 1/N of every batch. tf_config: "
                     "this process is one replica of the cluster in TF_CONFIG (every worker "
-                    "runs the same command with its own task; each writes its own "
-                    "--model_dir). --batch_size is the global batch.")
+                    "runs the same command with its own task and the same --model_dir, "
+                    "which only the chief writes: task 0, or TF_CONFIG's chief). "
+                    "--batch_size is the global batch.")
 flags.DEFINE_float("step_timeout", _DEFAULTS.step_timeout,
                    "With --cluster: seconds a step may stall before every worker's port is "
                    "probed; a frozen or dead worker ends the run with exit code 4, naming "
-                   "the task (tfpipe.StepWatchdog). 0: no watchdog.")
+                   "the task (tfpipe.StepWatchdog). 0: no watchdog. With --replicas=tf_config "
+                   f"(0: {config_lib.DEFAULT_PEER_TIMEOUT:g} s): also the bound on the "
+                   "start-up rendezvous, on each collective and on a stop, after which a "
+                   "worker whose peer is gone or frozen ends (exit code 4, or 128 + the "
+                   "signal's number).")
 
 
 def _register_validators():
@@ -338,8 +385,20 @@ def main(argv):
     if not FLAGS["verbosity"].present:
         absl_logging.set_verbosity(absl_logging.WARNING)  # no INFO lines from TF's savers
     config = config_from_flags()
+    role = config_lib.chief_or_worker(config)
+    if role is None:
+        return _main(config)
+    # A tf_config worker: its run in a supervised child (`launch.supervisor`).
+    scratch = scratch_folder(config)
+    lock = os.path.join(scratch or config.model_dir, run_lock.LOCK_FILE)
+    return supervisor.run(lambda: _main(config, scratch), config_lib.peer_timeout(config),
+                          lock, cleanup=lambda: scratch and shutil.rmtree(scratch, True))
+
+
+def _main(config, scratch=None):
+    """Runs `config` and prints what the run did; returns the exit code."""
     try:
-        result = train(config)
+        result = train(config, scratch=scratch)
     except RunError as err:
         print(f"launch.train: {err.label}: {err}", file=sys.stderr, flush=True)
         return err.exit_code

@@ -35,6 +35,7 @@ from launch import history as history_lib
 from launch import config as config_lib
 from launch import data as data_lib
 from launch import signals
+from launch import supervisor
 from launch.config import Diverged, RunError, Stopped, WorkerLost
 from models import mlp
 from models import resnet_cnn
@@ -166,7 +167,7 @@ def pipeline_strategy(config, devices=None):
     if config.replicas == "tf_config":
         return tfpipe.PipelineStrategy(
             cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver(),
-            **settings)
+            peer_timeout_s=config_lib.peer_timeout(config), **settings)
     return tfpipe.PipelineStrategy(
         devices=_stage_devices(config) if devices is None else devices,
         num_replicas=config_lib.replica_count(config.replicas), **settings)
@@ -288,7 +289,7 @@ def _resume_point(store, run, model_dir, reshard=False):
         _warn(f"skipped {name}: {why}.")
     aside = [name for name, _ in found.skipped
              if int(name.split("-")[1]) in store.files_by_step()]
-    if aside:
+    if aside and store.record is not None:  # not another process's (a cluster's chief's)
         store.set_aside(aside)
         _warn(f"moved the files of {', '.join(aside)} to "
               f"{store.dir / checkpoints.SKIPPED_DIR}.")
@@ -323,14 +324,27 @@ def _divergence_advice(store, checkpointer, history, step):
             f"--learning_rate={lower:g}.")
 
 
-def train(config, callbacks=(), stop=None, before_save=None, record=None):
+def _watchdog(timeout_s, cluster, stop, latest):
+    """A `tfpipe.StepWatchdog` over `cluster` whose last words release the
+    run's lock and name the newest committed checkpoint (`latest[-1]`)."""
+    def on_end(message):
+        stop.run_hard_exit_hooks()
+        kept = (f"The newest committed checkpoint is {latest[-1]}; --resume on every worker "
+                f"continues from it." if latest else "No checkpoint had been committed.")
+        signals.say(f"launch.train: lost a worker: {message} {kept}")
+    return tfpipe.StepWatchdog(timeout_s=timeout_s, cluster=cluster, on_end=on_end)
+
+
+def train(config, callbacks=(), stop=None, before_save=None, record=None, resume_from=None):
     """Trains `config.model` on `config.dataset` as a tfpipe pipeline.
 
     Call it through `launch.train.train`, which checks `config`, holds the
     lock on `config.model_dir` and prepares it, and passes the
     `launch.signals.StopRequest` (`stop`), the lock's check (`before_save`,
     run before each checkpoint) and the `launch.outputs.Record` of what the
-    run writes (`record`) while this runs. See that function.
+    run writes (`record`) while this runs; a cluster's worker that is not the
+    chief gets its own scratch --model_dir and the chief's checkpoints folder
+    to resume from (`resume_from`, read only). See that function.
     """
     record = record if record is not None else outputs.Record(config.model_dir)
     stop = stop if stop is not None else signals.StopRequest()
@@ -356,12 +370,23 @@ def train(config, callbacks=(), stop=None, before_save=None, record=None):
     # A no-op when the process already has this many logical CPUs (e.g. a test's
     # conftest called it); must precede every TensorFlow op.
     tfpipe.testing.use_logical_cpus(config.logical_cpus)
-    cluster_spec = pids = strategy = None
+    cluster_spec = pids = strategy = watchdog = None
+    latest = []  # the newest committed checkpoint, for the watchdog's last line
     if config.cluster:  # after the logical CPUs (fixed once connected), before any op
         cluster_spec, devices, pids = _cluster_devices(config)
+        if config.step_timeout:
+            watchdog = _watchdog(config.step_timeout, cluster_spec, stop, latest)
     elif config.replicas == "tf_config":
+        # A gone peer must end this worker, not block it: every step and
+        # collective is bounded here; the start-up rendezvous (which holds
+        # the GIL) and a stop by the supervisor (`launch.supervisor`).
+        watchdog = _watchdog(
+            config_lib.peer_timeout(config),
+            tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec(), stop, latest)
         # Starts this worker's server: after the logical CPUs, before any op.
+        supervisor.report(supervisor.RENDEZVOUS_BEGINS)
         strategy = pipeline_strategy(config)
+        supervisor.report(supervisor.RENDEZVOUS_ENDS)
         devices = strategy.devices
         task = strategy.extended.worker_task
         print(f"--replicas=tf_config: {task} is replica {int(task.rsplit(':', 1)[1])} of "
@@ -393,9 +418,10 @@ def train(config, callbacks=(), stop=None, before_save=None, record=None):
     # The checkpoint object is set once the model exists; finding and checking
     # what to resume from needs only the files, so a refusal comes first.
     store = checkpoints.CheckpointStore(checkpoint_dir, checkpoint=None, record=record)
+    source = store if resume_from is None else checkpoints.CheckpointStore(resume_from, None)
     resume_step = manifest = None
     if config.resume:
-        resume_step, manifest = _resume_point(store, run, model_dir, config.reshard)
+        resume_step, manifest = _resume_point(source, run, model_dir, config.reshard)
 
     strategy = strategy or pipeline_strategy(config, devices)
     stop.install()  # a multi-worker strategy's coordination service took SIGTERM
@@ -417,12 +443,16 @@ def train(config, callbacks=(), stop=None, before_save=None, record=None):
     if cluster_spec is not None:  # every checkpoint file written by this process, here
         store.options = tf.train.CheckpointOptions(
             experimental_io_device="/job:localhost/replica:0/task:0/device:CPU:0")
+    source.checkpoint, source.options = store.checkpoint, store.options
+    # Where the run's checkpoints are, as messages name them: the chief's for a
+    # worker that writes in a scratch folder.
+    shown = source if resume_from is not None else store
     history = history_lib.RunHistory(history_path, run,
                                      changes=[{"step": 0, "learning_rate": config.learning_rate}])
     if resume_step is not None:
         # Into the variables that exist already: values move, devices stay.
         history = history_lib.RunHistory.from_json(
-            history_path, store.restore(resume_step, manifest, strict=config.reshard),
+            history_path, source.restore(resume_step, manifest, strict=config.reshard),
             saved_ref=manifest["history_ref"])
         # Segments past the checkpoint belong to checkpoints the resume skipped.
         segments.prune_after(store.dir / outputs.HISTORY_SEGMENTS, resume_step, record)
@@ -430,6 +460,9 @@ def train(config, callbacks=(), stop=None, before_save=None, record=None):
             changed = [k for k in LAYOUT_SETTINGS if history.run.get(k) != run[k]]
             previous = {k: history.run.get(k) for k in changed}
             history.run = run  # a later --resume continues at the new layout
+            if changed:
+                history.changes.append({"step": int(step), "reshard": {
+                    k: [previous[k], run[k]] for k in changed}})
             print(f"--reshard: checkpoint written at {previous}, continuing at "
                   f"{ {k: run[k] for k in changed} }.")
         rate = history.learning_rate()
@@ -439,7 +472,8 @@ def train(config, callbacks=(), stop=None, before_save=None, record=None):
                   f"from here (recorded in the history).")
         # The checkpoint restored the optimizer's rate too: the one asked for now.
         model.optimizer.learning_rate = config.learning_rate
-        print(f"Resuming from {store.path(resume_step)} (step {int(step)}).")
+        print(f"Resuming from {source.path(resume_step)} (step {int(step)}).")
+        latest.append(source.path(resume_step))
     start_step = int(step)
     if start_step >= total_steps and config.resume and start_step:
         print(f"The run had finished: step {start_step} of {total_steps} "
@@ -457,7 +491,8 @@ def train(config, callbacks=(), stop=None, before_save=None, record=None):
     checkpointer = checkpoints.Checkpointer(store, step, config.checkpoint_every,
                                             steps_per_epoch, history, variables,
                                             every_secs=config.checkpoint_every_secs,
-                                            after_save=[board.rotate],
+                                            after_save=[board.rotate, lambda s: latest.append(
+                                                shown.path(s))],
                                             before_save=[before_save] if before_save else [])
     timeline = None
     pipeline_board = model_dir / history_lib.TENSORBOARD_DIR / "pipeline"
@@ -472,8 +507,7 @@ def train(config, callbacks=(), stop=None, before_save=None, record=None):
         board_files = {entry.name for entry in outputs.entries(pipeline_board)}
     own_callbacks = [
         # First, so that its clock starts before the others' work at each hook.
-        *([tfpipe.StepWatchdog(timeout_s=config.step_timeout, cluster=cluster_spec)]
-          if config.step_timeout else []),
+        *([watchdog] if watchdog is not None else []),
         timer,
         # First: it stops at a non-finite loss before anything records the step,
         # and puts the epoch's running means into the logs the others see.
@@ -506,21 +540,27 @@ def train(config, callbacks=(), stop=None, before_save=None, record=None):
             epoch += 1
         if epoch < config.epochs:
             fit(epoch * steps_per_epoch, total_steps, config.epochs, epoch)
-        final = checkpointer.save()  # the final state, whatever --checkpoint_every is
+        checkpointer.save()  # the final state, whatever --checkpoint_every is
+        final = shown.path(int(step))
     except checkpoints.StopRequested:
         if int(step) == start_step and store.latest_step is None:
             raise Stopped(f"{stop.name} before the first step: nothing to save.",
                           signals.exit_code(stop.signum)) from None
-        path = checkpointer.save()
+        checkpointer.save()
         history.save(record)
-        raise Stopped(f"{stop.name} after step {int(step)}: saved {path}; --resume continues "
-                      f"the run from there.", signals.exit_code(stop.signum)) from None
-    except tf.errors.UnavailableError as err:
-        if cluster_spec is None:
+        raise Stopped(f"{stop.name} after step {int(step)}: saved {shown.path(int(step))}; "
+                      f"--resume continues the run from there.",
+                      signals.exit_code(stop.signum)) from None
+    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+            tf.errors.AbortedError) as err:
+        # A worker gone: a connection reset at once, or a collective's timeout.
+        peers = cluster_spec if cluster_spec is not None else (
+            "tf_config" if config.replicas == "tf_config" else None)
+        if peers is None:
             raise
-        kept = (f"The newest checkpoint is {store.latest_path}." if store.latest_path
-                else "No checkpoint had been saved.")
-        raise WorkerLost(f"{tfpipe.cluster.describe_unavailable(err, cluster_spec)} {kept}") from None
+        kept = (f"The newest committed checkpoint is {latest[-1]}; --resume continues from "
+                f"it." if latest else "No checkpoint had been committed.")
+        raise WorkerLost(f"{tfpipe.cluster.describe_unavailable(err, peers)} {kept}") from None
     except Diverged as err:
         with contextlib.suppress(OSError):
             history.save(record)  # the copy for people, up to the last finite step
@@ -563,7 +603,7 @@ def train(config, callbacks=(), stop=None, before_save=None, record=None):
         "step_time_ms": timer.mean_ms(),
         "steps": int(step),
         "start_step": start_step,
-        "checkpoint": store.latest_path,
+        "checkpoint": None if store.latest_step is None else shown.path(store.latest_step),
         "loss_plot": None if plot_path is None else str(plot_path),
         "data_kind": data.kind,
         "pipeline_summary": model.pipeline_summary(),

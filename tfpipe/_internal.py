@@ -18,6 +18,8 @@ from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.distribute import multi_worker_util
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.eager.polymorphic_function import function_type_utils
 from tensorflow.python.framework import ops
@@ -123,9 +125,24 @@ class PipelineMultiWorkerExtended(collective_all_reduce_strategy.CollectiveAllRe
     summed by TF's collective ops, initial values broadcast from the chief.
     """
 
-    def __init__(self, container_strategy, cluster_resolver):
+    def __init__(self, container_strategy, cluster_resolver, peer_timeout_s=None):
+        # With `peer_timeout_s`: the start-up rendezvous (the coordination
+        # service's registration), its heartbeats and every collective give up
+        # after that long instead of waiting for a gone peer forever.
+        if peer_timeout_s and context.context().coordination_service is None:
+            spec = cluster_resolver.cluster_spec()
+            context.context().configure_coordination_service(
+                service_type="standalone",
+                service_leader=multi_worker_util.coordination_leader(spec),
+                cluster_register_timeout_in_ms=int(peer_timeout_s * 1000),
+                heartbeat_timeout_in_ms=int(max(peer_timeout_s / 2, 1) * 1000),
+                shutdown_barrier_timeout_in_ms=int(peer_timeout_s * 1000),
+                coordinated_jobs=[coordination_config_pb2.CoordinatedJob(
+                    name=job, num_tasks=spec.num_tasks(job))
+                    for job in ("chief", "worker") if job in spec.jobs])
         super().__init__(container_strategy, cluster_resolver=cluster_resolver,
-                         communication_options=collective_util.Options())
+                         communication_options=collective_util.Options(
+                             timeout_seconds=peer_timeout_s or None))
 
     @property
     def worker_task(self):

@@ -7,7 +7,7 @@ joins the client to them, after which their devices take variables and ops
 like local ones. `worker_devices` names the stage devices; `LocalCluster(n)`
 starts n workers on 127.0.0.1 for development and tests. A dead worker
 raises `UnavailableError` (`describe_unavailable` names it); a frozen one
-hangs the client (`tfpipe.StepWatchdog` ends it, using `probe_task`).
+hangs the client (`tfpipe.StepWatchdog` ends it, using `tfpipe.probe`).
 
 Run as a program this file is one worker (`TF_CONFIG=... python -m
 tfpipe.cluster --worker` on each host). `LocalCluster` runs it with `python
@@ -27,6 +27,8 @@ import threading
 import time
 
 import tensorflow as tf
+
+from tfpipe import probe
 
 JOB = "worker"  # the job whose tasks hold the stages
 _HOST = "127.0.0.1"  # LocalCluster binds nothing else
@@ -99,7 +101,7 @@ def task_addresses(cluster=None):
 
 def describe_unavailable(error, cluster=None, probe_timeout_s=2.0):
     """A one-paragraph message for an `UnavailableError` of a connected run:
-    which tasks do not answer their port now (`probe_task`), and what to do."""
+    which tasks do not answer their port now (`tfpipe.probe`), and what to do."""
     addresses = task_addresses(cluster)
     # TensorFlow's text starts with "Graph execution error:" and node traces;
     # the gRPC reason ("Connection reset by peer", "Socket closed") says more.
@@ -107,79 +109,14 @@ def describe_unavailable(error, cluster=None, probe_timeout_s=2.0):
     said = next((line for line in lines if any(
         word in line for word in ("Connection", "Socket", "connect", "grpc_message"))),
         type(error).__name__)[:300]
-    states = {task: probe_task(address, probe_timeout_s) for task, address in addresses.items()}
+    states = probe.probe_tasks(addresses, probe_timeout_s)
     lost = {t: s for t, s in states.items() if s != "ok"}
     if not lost:
         return (f"a worker was unreachable ({said}), but every "
                 f"task answers now ({', '.join(addresses)}); run again.")
-    named = "; ".join(f"{t} ({addresses[t]}) {MEANING[s]}" for t, s in lost.items())
+    named = "; ".join(f"{t} ({addresses[t]}) {probe.MEANING[s]}" for t, s in lost.items())
     return (f"lost a worker: {named}. TensorFlow said: {said} Restart that worker and continue "
             f"from the last checkpoint (launch.train: --resume).")
-
-
-# RFC 9113 section 3.4: the client's connection preface, then its (empty)
-# SETTINGS frame. A live HTTP/2 server (gRPC) must answer with a SETTINGS frame.
-_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
-_SETTINGS = 0x4  # frame type, byte 3 of the 9-byte frame header
-
-
-def probe_task(address, timeout_s=2.0):
-    """Whether the gRPC server at `address` ("host:port") answers now.
-
-    Returns:
-      "ok": it sent an HTTP/2 SETTINGS frame within `timeout_s` seconds;
-      "silent": the connection was accepted (by the kernel) but nothing came
-        back in time: the process is stopped or its host hung;
-      "dead": the connection was refused or failed: nothing listens there.
-    """
-    host, port = address.rsplit(":", 1)
-    deadline = time.monotonic() + timeout_s
-    try:
-        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-    except socket.timeout:
-        return "silent"  # a partitioned host: the SYN is never answered
-    except OSError:
-        return "dead"
-    with sock:
-        try:
-            sock.sendall(_PREFACE)
-            header = b""
-            while len(header) < 9:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return "silent"
-                sock.settimeout(left)
-                chunk = sock.recv(9 - len(header))
-                if not chunk:
-                    return "dead"  # closed without a frame
-                header += chunk
-        except socket.timeout:
-            return "silent"
-        except OSError:
-            return "dead"
-    return "ok" if header[3] == _SETTINGS else "dead"
-
-
-def probe_tasks(addresses, timeout_s=2.0):
-    """{task: probe_task(address)} for {task: address}, probed in parallel
-    (the whole probe takes at most `timeout_s` + a thread start)."""
-    states = {}
-
-    def run(task, address):
-        states[task] = probe_task(address, timeout_s)
-
-    threads = [threading.Thread(target=run, args=item, daemon=True) for item in addresses.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s + 5.0)
-    return {task: states.get(task, "silent") for task in addresses}
-
-
-# What a probe's answer means, as the messages say it.
-MEANING = {"silent": "accepts connections but does not answer: the process is stopped "
-                      "or its host is hung",
-            "dead": "refuses connections: the process is gone"}
 
 
 def _free_ports(n):

@@ -36,9 +36,14 @@ class PipelineStrategy(tf.distribute.Strategy):
         cluster is one replica, its pipeline on this process's `devices`
         (default: its local devices); gradients and metrics are summed with
         TF's collective ops. Make the strategy before any other TF op.
+      peer_timeout_s: with a `cluster_resolver`, how long (seconds) the
+        start-up waits for every worker and each collective for its peers,
+        and the heartbeats' timeout (half of it): a gone worker then fails
+        the step with a TensorFlow error instead of blocking forever. None:
+        TensorFlow's defaults (no collective timeout).
       num_microbatches, schedule, recompute, execution, batch_norm,
-        call_losses: the defaults of models made in this scope (`tfpipe.config.PipelineConfig`;
-        None: the library default). Settings given here explicitly also
+        call_losses: the defaults of models made in this scope
+        (`tfpipe.config.PipelineConfig`; None: the library default). Settings given here explicitly also
         override those of a saved model loaded in this scope.
 
     >>> tfpipe.testing.use_logical_cpus(4)               # doctest: +SKIP
@@ -49,7 +54,7 @@ class PipelineStrategy(tf.distribute.Strategy):
 
     def __init__(self, devices=None, num_microbatches=None, schedule=None,
                  recompute=None, execution=None, batch_norm=None, num_replicas=None,
-                 cluster_resolver=None, call_losses=None):
+                 cluster_resolver=None, call_losses=None, peer_timeout_s=None):
         given = dict(num_microbatches=num_microbatches, schedule=schedule,
                      recompute=recompute, execution=execution, batch_norm=batch_norm,
                      call_losses=call_losses)
@@ -65,7 +70,8 @@ class PipelineStrategy(tf.distribute.Strategy):
                     f"PipelineStrategy num_replicas={num_replicas!r} with a "
                     f"cluster_resolver: the replicas are the cluster's worker processes "
                     f"(one pipeline each). Drop num_replicas.")
-            extended = _internal.PipelineMultiWorkerExtended(self, cluster_resolver)
+            extended = _internal.PipelineMultiWorkerExtended(self, cluster_resolver,
+                                                             peer_timeout_s)
             task = extended.worker_task
             local = ([d for d in placement.available_devices("GPU") if placement.same_task(d, task)]
                      or [d for d in placement.available_devices("CPU")

@@ -2,7 +2,7 @@
 
 A frozen worker (SIGSTOP, a hung host, a partition) makes TensorFlow wait
 forever. Once `fit`'s hooks show no progress for `timeout_s`, a watch thread
-probes every task's port (`tfpipe.cluster.probe_task`); a task that fails two
+probes every task's port (`tfpipe.probe`); a task that fails two
 probes is named on stderr and the process ends with `os._exit` (the main
 thread is blocked inside TensorFlow); else the step is slow, and it waits on.
 """
@@ -15,6 +15,7 @@ import time
 import keras
 
 from tfpipe import cluster as cluster_lib
+from tfpipe import probe
 
 EXIT_CODE = 4  # launch.train's exit code for a lost worker, too
 
@@ -29,12 +30,15 @@ class StepWatchdog(keras.callbacks.Callback):
         the last `tfpipe.cluster.connect()`.
       probe_timeout_s: seconds a task has to answer each of its two probes.
       exit_code, poll_s: the exit status, and how often the thread looks.
+      on_end: fn(message) called, on the watch thread, just before the
+        process ends (the default prints the message); e.g. to release a
+        lock and say where the last checkpoint is.
     Raises:
       ValueError: a bad number, or no cluster given nor connected.
     """
 
     def __init__(self, timeout_s, cluster=None, probe_timeout_s=2.0, exit_code=EXIT_CODE,
-                 poll_s=0.5):
+                 poll_s=0.5, on_end=None):
         super().__init__()
         for name, value in (("timeout_s", timeout_s), ("probe_timeout_s", probe_timeout_s),
                             ("poll_s", poll_s)):
@@ -50,6 +54,7 @@ class StepWatchdog(keras.callbacks.Callback):
         self.addresses = cluster_lib.task_addresses(cluster)
         self.timeout_s, self.probe_timeout_s = float(timeout_s), float(probe_timeout_s)
         self.poll_s, self.exit_code = float(poll_s), exit_code
+        self.on_end = on_end or (lambda message: print(message, file=sys.stderr, flush=True))
         self._progress_lock = threading.Lock()
         self._last = time.monotonic()
         self._where = "the start of training"
@@ -60,17 +65,28 @@ class StepWatchdog(keras.callbacks.Callback):
         with self._progress_lock:
             self._last, self._where = time.monotonic(), where
 
-    def on_train_begin(self, logs=None):
-        self._progress("the first training step")
+    def start(self, where):
+        """Watches from now on: `where` (e.g. "the start-up rendezvous") must
+        show progress within `timeout_s`; `fit` starts and stops it itself."""
+        self.stop()
+        self._progress(where)
         self._stop.clear()
         self._thread = threading.Thread(target=self._watch, name="tfpipe-step-watchdog",
                                         daemon=True)
         self._thread.start()
 
-    def on_train_end(self, logs=None):
+    def stop(self):
+        """Stops watching."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.poll_s + 1.0)
+            self._thread = None
+
+    def on_train_begin(self, logs=None):
+        self.start("the first training step")
+
+    def on_train_end(self, logs=None):
+        self.stop()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._progress(f"epoch {epoch + 1}")
@@ -112,20 +128,20 @@ class StepWatchdog(keras.callbacks.Callback):
 
     def _lost_tasks(self):
         """{task: "silent" | "dead"} of the tasks that fail two probes in a row."""
-        first = cluster_lib.probe_tasks(self.addresses, self.probe_timeout_s)
+        first = probe.probe_tasks(self.addresses, self.probe_timeout_s)
         suspects = {t: self.addresses[t] for t, s in first.items() if s != "ok"}
         if not suspects:
             return {}
-        second = cluster_lib.probe_tasks(suspects, self.probe_timeout_s)
+        second = probe.probe_tasks(suspects, self.probe_timeout_s)
         return {t: s for t, s in second.items() if s != "ok"}
 
     def _end(self, where, stalled, lost):
-        named = "; ".join(f"{task} ({self.addresses[task]}) {cluster_lib.MEANING[state]}"
+        named = "; ".join(f"{task} ({self.addresses[task]}) {probe.MEANING[state]}"
                           for task, state in lost.items())
-        print(f"tfpipe.StepWatchdog: {where} has not finished after {stalled:.1f} s "
-              f"(timeout {self.timeout_s:g} s): {named}. Ending this process (exit code "
-              f"{self.exit_code}). Restart the worker, then continue from the last "
-              f"checkpoint (launch.train: --resume).", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        self.on_end(f"tfpipe.StepWatchdog: {where} has not finished after {stalled:.1f} s "
+                    f"(timeout {self.timeout_s:g} s): {named}. Ending this process (exit code "
+                    f"{self.exit_code}). Restart the worker, then continue from the last "
+                    f"checkpoint (launch.train: --resume).")
         cluster_lib.kill_local_workers()  # os._exit runs no atexit handler
         os._exit(self.exit_code)  # the main thread is blocked inside TensorFlow

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 import tfpipe
 from tfpipe import cluster as cluster_lib
+from tfpipe import probe
 from tfpipe import placement
 from tfpipe import watchdog
 from tfpipe_tests import helpers
@@ -92,7 +93,7 @@ def test_probe_task(behaviour, expected):
     address = listener.address if listener else _closed_port()
     start = time.monotonic()
     try:
-        assert cluster_lib.probe_task(address, timeout_s=1.0) == expected
+        assert probe.probe_task(address, timeout_s=1.0) == expected
     finally:
         if listener:
             listener.close()

@@ -387,23 +387,31 @@ def test_trainer_with_two_replicas_in_one_process_matches_one_pipeline(trainer_r
 
 @pytest.mark.slow
 def test_trainer_with_one_replica_per_worker_matches_one_process(tmp_path, trainer_runs):
-    """Each worker runs the same `launch.train --replicas=tf_config`; every
-    step's loss and accuracy equal the single-process run's."""
+    """Each worker runs the same `launch.train --replicas=tf_config` with one
+    shared --model_dir, which the chief (task 0) alone writes; every step's
+    loss and accuracy equal the single-process run's."""
     from tfpipe import cluster as cluster_lib
     ports = cluster_lib._free_ports(2)  # pylint: disable=protected-access
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     results = _run_workers(
-        lambda i: [*_TRAIN, "--replicas=tf_config", f"--model_dir={tmp_path}/w{i}"], ports)
+        lambda i: [*_TRAIN, "--replicas=tf_config", f"--model_dir={tmp_path}/run"], ports,
+        {"TMPDIR": str(scratch)})
     full = json.loads((trainer_runs / "full" / "history.json").read_text())
     for index, (code, out, err) in enumerate(results):
         assert code == 0, err[-3000:]
         assert (f"--replicas=tf_config: /job:worker/task:{index} is replica {index} of 2; "
                 f"its pipeline runs on ['/job:worker/replica:0/task:{index}/device:CPU:0', "
                 f"'/job:worker/replica:0/task:{index}/device:CPU:1']") in out
-        got = json.loads((tmp_path / f"w{index}" / "history.json").read_text())
-        assert len(got["steps"]) == 6
-        _assert_same_steps(got["steps"], full["steps"][:6])
-        assert got["epochs"] == full["epochs"][:1] or np.allclose(
-            [e["loss"] for e in got["epochs"]], [e["loss"] for e in full["epochs"][:1]])
+        assert f"latest checkpoint     {tmp_path}/run/checkpoints/ckpt-6" in out
+    got = json.loads((tmp_path / "run" / "history.json").read_text())
+    assert len(got["steps"]) == 6
+    _assert_same_steps(got["steps"], full["steps"][:6])
+    assert got["epochs"] == full["epochs"][:1] or np.allclose(
+        [e["loss"] for e in got["epochs"]], [e["loss"] for e in full["epochs"][:1]])
+    # One writer: one set of event files; the other worker's scratch folder is gone.
+    assert len(list((tmp_path / "run" / "tensorboard" / "steps").iterdir())) == 1
+    assert not list(scratch.glob("launch-train-*"))
 
 
 @pytest.mark.slow
@@ -468,22 +476,20 @@ def test_a_signal_to_one_worker_stops_every_worker_after_the_same_step(tmp_path,
     from tfpipe import cluster as cluster_lib
     from tfpipe_tests.test_trainer_stops import _MAIN_SIGNALLED_AT
     ports = cluster_lib._free_ports(2)  # pylint: disable=protected-access
-    flags_ = [*_TRAIN[2:], "--replicas=tf_config"]
+    shared = ["--replicas=tf_config", f"--model_dir={tmp_path}/run"]  # one folder, the chief's
     stopped = _run_workers(
-        lambda i: [*(["-c", _MAIN_SIGNALLED_AT] if i == 0 else _TRAIN[:2]), *flags_,
-                   f"--model_dir={tmp_path}/w{i}"], ports, {"SIGNAL_AT": "step:3:SIGTERM"})
+        lambda i: [*(["-c", _MAIN_SIGNALLED_AT] if i == 0 else _TRAIN[:2]), *_TRAIN[2:],
+                   *shared], ports, {"SIGNAL_AT": "step:3:SIGTERM"})
     for index, (code, _, err) in enumerate(stopped):
         assert code == 143, err[-3000:]
         sig = "SIGTERM" if index == 0 else "SIGTERM (to another worker)"
         assert err.splitlines()[-1] == (
-            f"launch.train: stopped: {sig} after step 3: saved {tmp_path}/w{index}/"
-            f"checkpoints/ckpt-3; --resume continues the run from there.")
+            f"launch.train: stopped: {sig} after step 3: saved {tmp_path}/run/checkpoints/"
+            f"ckpt-3; --resume continues the run from there.")
     ports = cluster_lib._free_ports(2)  # pylint: disable=protected-access
-    resumed = _run_workers(
-        lambda i: [*_TRAIN, "--replicas=tf_config", "--resume", f"--model_dir={tmp_path}/w{i}"],
-        ports)
+    resumed = _run_workers(lambda i: [*_TRAIN, *shared, "--resume"], ports)
     full = json.loads((trainer_runs / "full" / "history.json").read_text())
-    for index, (code, out, err) in enumerate(resumed):
+    for code, out, err in resumed:
         assert code == 0, err[-3000:]
-        assert "Resuming from" in out
-        _assert_same_steps(_steps(tmp_path / f"w{index}"), full["steps"][:6])
+        assert f"Resuming from {tmp_path}/run/checkpoints/ckpt-3 (step 3)." in out
+    _assert_same_steps(_steps(tmp_path / "run"), full["steps"][:6])
