@@ -421,7 +421,10 @@ def test_trainer_watchdog_then_resume(tmp_path, reference_run):
     ended = time.monotonic() - frozen
     print(f"watchdog: exit {ended:.1f} s after SIGSTOP (timeout {timeout:g} s)")
     assert code == 4 == watchdog.EXIT_CODE, err[-3000:]
-    line = [l for l in err.splitlines() if l.startswith("tfpipe.StepWatchdog: ")][-1]
+    line = [l for l in err.splitlines() if "tfpipe.StepWatchdog: " in l][-1]
+    assert line.startswith("launch.train: lost a worker: tfpipe.StepWatchdog: ")
+    assert line.endswith(f"The newest committed checkpoint is {tmp_path}/checkpoints/ckpt-10; "
+                         f"--resume on every worker continues from it.")
     assert "/job:worker/task:1 (127.0.0.1:" in line and "process is stopped" in line
     assert "/job:worker/task:0" not in line
     assert "has not finished after" in line and "exit code 4" in line

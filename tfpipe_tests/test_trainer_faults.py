@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from launch import checkpoints
 from launch import config as config_lib
+from launch import outputs
 from launch import run_lock
 from launch import segments
 from launch import train as train_lib
@@ -96,9 +97,16 @@ def _change_a_setting(ckpt_dir):
 
 
 def _leftovers(ckpt_dir):
+    """What an interrupted save leaves: temporary files the run recorded
+    before making them (removed at the resume), and a user's file named like
+    one, which it did not (kept)."""
+    record = outputs.Record(ckpt_dir.parent)
+    record.add(ckpt_dir / ".ckpt-9.tmp-4242-0badc0de", "prefix")
     (ckpt_dir / ".ckpt-9.tmp-4242-0badc0de.index").write_bytes(b"half")
     (ckpt_dir / ".ckpt-9.tmp-4242-0badc0de_temp").mkdir()
+    record.add(ckpt_dir.parent / ".history.json.x1y2z3.tmp")
     (ckpt_dir.parent / ".history.json.x1y2z3.tmp").write_text('{"run"')
+    (ckpt_dir.parent / ".notes.tmp").write_text("a user's")
 
 
 def _stale_lock(ckpt_dir):
@@ -197,8 +205,8 @@ def test_resume_after_damage_equals_the_uninterrupted_run(
                               resumed_from >= 5 else 0)
     skipped = sorted(os.listdir(ckpt / "skipped")) if (ckpt / "skipped").exists() else []
     assert skipped == (left_of_6 if any("moved the files" in e for e in expected) else [])
-    assert not [n for n in os.listdir(ckpt) + os.listdir(model_dir) if n.endswith(".tmp")
-                or ".tmp-" in n]
+    assert [n for n in os.listdir(ckpt) + os.listdir(model_dir) if n.endswith(".tmp")
+            or ".tmp-" in n] == ([".notes.tmp"] if damage is _leftovers else [])
     assert runs.committed(model_dir) == [6, 9, 10] and \
         tf.train.latest_checkpoint(str(ckpt)) == str(ckpt / "ckpt-10")
     assert (model_dir / run_lock.LOCK_FILE).read_text() == ""  # released
