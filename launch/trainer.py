@@ -481,9 +481,9 @@ def train(config, callbacks=(), stop=None, before_save=None, record=None, resume
     except Diverged as err:
         with contextlib.suppress(OSError):
             history.save(record)  # the copy for people, up to the last finite step
+        advice = restart.divergence_advice(store, checkpointer, history, err.step)
         raise Diverged(f"training diverged: {err}. Stopped there; nothing non-finite was "
-                       f"saved. {restart.divergence_advice(store, checkpointer, history, err.step)}",
-                       err.step) from None
+                       f"saved. {advice}", err.step) from None
     finally:
         board.close()
 

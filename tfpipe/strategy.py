@@ -43,8 +43,9 @@ class PipelineStrategy(tf.distribute.Strategy):
         TensorFlow's defaults (no collective timeout).
       num_microbatches, schedule, recompute, execution, batch_norm,
         call_losses: the defaults of models made in this scope
-        (`tfpipe.config.PipelineConfig`; None: the library default). Settings given here explicitly also
-        override those of a saved model loaded in this scope.
+        (`tfpipe.config.PipelineConfig`; None: the library default). Settings
+        given here explicitly also override those of a saved model loaded in
+        this scope.
 
     >>> tfpipe.testing.use_logical_cpus(4)               # doctest: +SKIP
     >>> strategy = tfpipe.PipelineStrategy(num_microbatches=8)
