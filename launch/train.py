@@ -138,6 +138,8 @@ def _train_beside_the_chief(config, callbacks, scratch):
     writing in `scratch` (a folder removed at the end; None: one made here),
     and resumes from the chief's checkpoints (Keras' convention for
     multi-worker callbacks)."""
+    if not (config.resume or config.overwrite) and outputs.find(config.model_dir):
+        _prepare_model_dir(dataclasses.replace(config, overwrite=False))  # refused as the chief is
     own = scratch is None
     scratch = scratch or scratch_folder(config)
     try:

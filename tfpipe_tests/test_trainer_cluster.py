@@ -139,3 +139,20 @@ def test_a_signal_reaches_a_worker_blocked_on_a_frozen_peer(tmp_path):
                         "(send it again to stop at once).")
     assert "/job:worker/task:1" in lines[-1] or "did not stop within 10 s" in lines[-1], lines
     assert (run / run_lock.LOCK_FILE).read_text() == ""
+
+
+def test_a_worker_is_refused_a_previous_run_as_its_chief_is(tmp_path, tmp_path_factory):
+    """Worker 1 (not the chief) of a fresh run into a --model_dir holding a
+    previous run stops at once, with the chief's line, touching nothing:
+    it does not wait in the rendezvous for a chief that was refused."""
+    model_dir = runs.make_reference(tmp_path_factory)["dir"]
+    before = runs.tree(model_dir)
+    proc = subprocess.run(
+        [sys.executable, *_TRAIN[:2], *_FLAGS, f"--model_dir={model_dir}"], cwd=REPO,
+        capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+                 TF_CONFIG=_tf_config(cluster_lib._free_ports(2), 1)))  # pylint: disable=W0212
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1].startswith(
+        f"launch.train: error: --model_dir={model_dir} holds a previous run (")
+    assert runs.tree(model_dir) == before
