@@ -16,7 +16,13 @@ before TensorFlow starts; K = 2 runs on the first two, K = 4 on all four:
   xla         K = 2, M = 4, stage functions: each stage its own XLA program
               (`jit_compile=True`) beside the same without XLA and plain Keras
               with and without XLA on one logical GPU: step ms, max |dw|;
-  memory      peak bytes per logical GPU of a K = 2, M = 8 step per recompute mode.
+  transformer the repo's LM (`models/transformer_lm.py`) at K = 2, M in {4, 8},
+              everything else tfpipe's default (recompute chosen from the
+              logical GPUs' memory, execution), against the same model on one
+              logical GPU: step ms, speed-up, first call s and its ratio;
+  memory      peak bytes per logical GPU of a K = 2, M = 8 step per recompute mode,
+              and of tfpipe's default, with the mode it chose, why, and each
+              device's memory as TF reports it (`StageDevice.memory()`).
 
 It prints the tables and writes one JSON object to `--output`; exit status 1
 if a check fails. Without a GPU it says why, writes {"ran": false, "reason":
@@ -33,7 +39,7 @@ import time
 from benchmarks import common
 
 NUM_LOGICAL = 4
-RECOMPUTE = ("never", "except_last", "always")
+RECOMPUTE = ("never", "except_last", "always", None)  # None: tfpipe's choice
 
 
 def _no_gpu():
@@ -143,6 +149,46 @@ def check_speedup(devices, size, repeats):
     return rows
 
 
+def check_transformer(devices, size, repeats):
+    """K = 2, M in {4, 8}, tfpipe's defaults: the repo's LM against one device."""
+    import keras  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import tfpipe  # pylint: disable=import-outside-toplevel
+    from models import transformer_lm  # pylint: disable=import-outside-toplevel
+    gen = tf.random.Generator.from_seed(0)
+    x, y = (gen.uniform((size["batch"], size["seq_len"]), 0, 256, tf.int32) for _ in range(2))
+
+    def built(devices_, m):
+        keras.utils.set_random_seed(0)
+        scope = (tfpipe.PipelineStrategy(devices=devices_, num_microbatches=m).scope() if m
+                 else tf.device(devices_[0]))
+        with scope:
+            model = transformer_lm.transformer_lm(
+                num_layers=size["layers"], width=size["width"], num_heads=size["heads"],
+                seq_len=size["seq_len"])
+            if m:
+                model = tfpipe.PipelinedModel.from_model(
+                    model, balance=transformer_lm.stage_balance(model, len(devices_)))
+            model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True))
+        start = time.perf_counter()
+        model.train_on_batch(x, y)
+        return model, time.perf_counter() - start
+
+    plain, plain_first = built(devices[:1], None)
+    single = common.step_ms(plain, x, y, repeats)
+    rows = []
+    for m in (4, 8):
+        model, first = built(devices[:2], m)
+        step = common.step_ms(model, x, y, repeats)
+        sim = tfpipe.schedules.simulate("gpipe", m, 2, 1.0, 2.0, recompute=model.recompute)
+        rows.append(dict(stages=2, microbatches=m, recompute=model.recompute,
+                         execution=model.execution, step_ms=step, one_device_ms=single,
+                         speedup=single / step, ideal=6.0 * m / sim.makespan,
+                         first_call_s=first, first_call_ratio=first / plain_first))
+    return rows
+
+
 def check_xla(devices, size, repeats, steps):
     """K = 2, M = 4, stage functions: each stage its own XLA program
     (`jit_compile=True`) against the same without XLA and against plain Keras
@@ -181,8 +227,10 @@ def check_xla(devices, size, repeats, steps):
 
 
 def check_memory(devices, kind, size):
-    """Peak MiB per device of a K = 2, M = 8 step, per recompute mode (None on CPUs)."""
+    """Peak MiB per device of a K = 2, M = 8 step, per recompute mode (None on
+    CPUs); the default's row says what tfpipe chose, why, from what memory."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import tfpipe  # pylint: disable=import-outside-toplevel
     x, y = _data(size, 1)
     names = [d.split("device:")[-1] for d in devices[:2]]
     rows = []
@@ -195,7 +243,11 @@ def check_memory(devices, kind, size):
         model.train_on_batch(x, y)
         peaks = [tf.config.experimental.get_memory_info(name)["peak"] / 2**20
                  if kind == "GPU" else None for name in names]
-        rows.append(dict(recompute=mode, stages=2, microbatches=8, peak_mib=peaks))
+        rows.append(dict(recompute=mode or f"default: {model.recompute}", stages=2,
+                         microbatches=8, peak_mib=peaks,
+                         reason=model.pipeline_config.recompute_reason,
+                         reported=[tfpipe.devices.as_stage_device(d).memory()
+                                   for d in devices[:2]]))
     return rows
 
 
@@ -222,9 +274,18 @@ def tables(results):
             [("model", "model", 0), ("XLA", "xla", 0), ("step ms", "step_ms", 2),
              ("vs no XLA", "vs_no_xla", 2), ("max abs dw", "max_abs_diff", ".2e")],
             results["xla"]),
+        "transformer LM, K=2, tfpipe's defaults (one chip split in logical GPUs):\n"
+        + common.markdown_table(
+            [("M", "microbatches", 0), ("recompute", "recompute", 0),
+             ("execution", "execution", 0), ("step ms", "step_ms", 2),
+             ("1-device ms", "one_device_ms", 2), ("speed-up", "speedup", 2),
+             ("ideal (simulated)", "ideal", 2), ("first call s", "first_call_s", 2),
+             ("first call / 1-device", "first_call_ratio", 2)], results["transformer"]),
         "peak memory per device, K=2, M=8 (MiB):\n" + common.markdown_table(
             [("recompute", "recompute", 0), ("device 0", "peak_0", 1),
-             ("device 1", "peak_1", 1)], memory)])
+             ("device 1", "peak_1", 1)], memory)
+        + "\n" + "\n".join(f"{r['recompute']}: {r['reason']}" for r in results["memory"]
+                            if r["reason"])])
 
 
 def main(argv):
@@ -241,16 +302,23 @@ def main(argv):
         return common.not_run("gpu_check", f.output, devices)
     size = dict(layers=8, width=32, batch=32) if f.cpu_dry_run else \
         dict(layers=8, width=2048, batch=512)  # big enough to keep a chip busy
+    lm = dict(layers=2, width=16, heads=2, seq_len=8, batch=8) if f.cpu_dry_run else \
+        dict(layers=8, width=512, heads=8, seq_len=256, batch=32)
     results = dict(ran=True, device_kind=kind, devices=devices, model=size,
                    machine=platform.node(), exactness=check_exactness(devices, size, f.steps),
                    placement=check_placement(devices, size),
                    speedup=check_speedup(devices, size, f.repeats),
+                   transformer=check_transformer(devices, lm, f.repeats),
                    xla=check_xla(devices, size, f.repeats, f.steps),
                    memory=check_memory(devices, kind, size))
     results["seconds"] = time.perf_counter() - start
     common.write_json(f.output, results)
     print(tables(results))
-    ok = all(r["exact"] for r in results["exactness"]) and all(
+    from tfpipe import recompute_choice  # pylint: disable=import-outside-toplevel
+    default = results["memory"][-1]  # within the budget tfpipe chose it by
+    within = all(p is None or not memory or p * 2**20 <= recompute_choice.FRACTION * memory[1]
+                 for p, memory in zip(default["peak_mib"], default["reported"]))
+    ok = within and all(r["exact"] for r in results["exactness"]) and all(
         r["placed"] for r in results["placement"]) and all(
         r["max_abs_diff"] < 1e-5 for r in results["xla"] if r["xla"] == "per stage")
     return 0 if ok else 1

@@ -13,7 +13,10 @@ tensor is its own mapping, returned to the OS when freed, so the resident set
 follows live memory instead of a pool's high-water mark.
 
 Step memory, per mode and K in `--devices`, with `--layers` layers and M =
-`--microbatches`:
+`--microbatches`; the "default" row is tfpipe's own choice of recompute mode
+(`tfpipe.recompute_choice`) for devices it is told have `--device_mib` each
+(`PipelineStrategy(device_memory_bytes=...)`): "never" where its predicted peak
+is within half of that, else "except_last" (*mode run* says which):
 
   step MiB       the child's peak resident set minus its peak once model and
                  data were built (what a child that never steps peaks at):
@@ -46,9 +49,10 @@ import pathlib
 
 from benchmarks import common
 
-MODES = ("plain", "never", "except_last", "always")  # "plain": Keras, no tfpipe
+# "plain": Keras, no tfpipe; "default": tfpipe's choice, told each device has `device_mib`.
+MODES = ("plain", "never", "except_last", "always", "default")
 IN_WIDTH, OUT_WIDTH = 64, 16
-MODEL = {"layers": 16, "width": 256, "batch": 8192, "num_microbatches": 4}
+MODEL = {"layers": 16, "width": 256, "batch": 8192, "num_microbatches": 4, "device_mib": 256}
 CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536",
              "TF_ENABLE_ONEDNN_OPTS": "0"}
 
@@ -72,7 +76,7 @@ def _trim():
         pass
 
 
-def _model(mode, layers, width, num_microbatches, num_devices):
+def _model(mode, layers, width, num_microbatches, num_devices, device_mib):
     import keras  # pylint: disable=import-outside-toplevel
     import tfpipe  # pylint: disable=import-outside-toplevel
     if mode == "plain":
@@ -82,8 +86,11 @@ def _model(mode, layers, width, num_microbatches, num_devices):
         return model
     if layers % num_devices:
         raise ValueError(f"{layers} layers do not cut into {num_devices} equal stages")
+    default = mode == "default"
     strategy = tfpipe.PipelineStrategy(devices=[f"/CPU:{i}" for i in range(num_devices)],
-                                       num_microbatches=num_microbatches, recompute=mode)
+                                       num_microbatches=num_microbatches,
+                                       recompute=None if default else mode,
+                                       device_memory_bytes=device_mib * 2**20 if default else None)
     with strategy.scope():
         stages = [common.mlp_layers(layers // num_devices, width) for _ in range(num_devices)]
         stages[-1].append(keras.layers.Dense(OUT_WIDTH))
@@ -93,14 +100,15 @@ def _model(mode, layers, width, num_microbatches, num_devices):
     return model
 
 
-def measure(mode, layers, width, batch, num_microbatches, num_devices=1, steps=2, seed=0):
+def measure(mode, layers, width, batch, num_microbatches, num_devices=1, steps=2, seed=0,
+            device_mib=MODEL["device_mib"]):
     """Builds the model and steps it `steps` times in this child; MiB figures."""
     import keras  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     keras.utils.set_random_seed(seed)
     tf.constant(0.0).numpy()  # the runtime is up before anything is counted
     started = common.rss_mib()
-    model = _model(mode, layers, width, num_microbatches, num_devices)
+    model = _model(mode, layers, width, num_microbatches, num_devices, device_mib)
     gen = tf.random.Generator.from_seed(seed)
     x, y = gen.normal((batch, IN_WIDTH)), gen.normal((batch, OUT_WIDTH))
     built = common.peak_rss_mib()  # what a child that never steps would peak at
@@ -116,6 +124,7 @@ def measure(mode, layers, width, batch, num_microbatches, num_devices=1, steps=2
             runs.append(common.peak_rss_mib() - before)
     peak = max(peak, common.peak_rss_mib())
     out = {"params": model.count_params(), "execution": getattr(model, "execution", None),
+           "recompute_used": getattr(model, "recompute", None),
            "peak_mib": peak, "step_mib": peak - built, "run_mib": max(runs) if runs else None}
     if mode != "plain" and runs:  # the planner's prediction, made after every measurement
         import tfpipe  # pylint: disable=import-outside-toplevel
@@ -162,14 +171,15 @@ def step_memory(modes, devices, model, budget_mib, parallel=1, log=print):
         error = common.error_line(result)
         out[mode][k] = {"error": error} if error else {
             f: result.get(f) for f in ("step_mib", "run_mib", "peak_mib", "execution",
-                                       "predicted_mib", "plan_ratio")}
+                                       "predicted_mib", "plan_ratio", "recompute_used")}
         log(f"{mode:<12} K={k}: " + (f"ERROR {error}" if error else
                                     f"step {result['step_mib']:7.1f} MiB  execution "
                                     f"{common.fmt(result['run_mib'], 1):>7} MiB"))
     return out, (results[-1] if budget_mib else {})
 
 
-def largest_model(mode, cap_mib, width, batch, num_microbatches, max_layers=512, log=print):
+def largest_model(mode, cap_mib, width, batch, num_microbatches, max_layers=512, log=print,
+                  device_mib=MODEL["device_mib"]):
     """The most layers (<= max_layers) whose child's peak stays <= `cap_mib`.
 
     Probes 4 and 8 layers, then guesses from a straight line through the two
@@ -183,7 +193,8 @@ def largest_model(mode, cap_mib, width, batch, num_microbatches, max_layers=512,
 
     def probe(layers):
         result = _child(mode=mode, layers=layers, width=width, batch=batch,
-                        num_microbatches=num_microbatches, steps=1, rss_limit_mib=cap_mib)
+                        num_microbatches=num_microbatches, steps=1, rss_limit_mib=cap_mib,
+                        device_mib=device_mib)
         fits = "error" not in result and result["peak_mib"] <= cap_mib
         if "error" not in result:
             points[layers] = result["peak_mib"]
@@ -213,16 +224,16 @@ def largest_model(mode, cap_mib, width, batch, num_microbatches, max_layers=512,
 
 def run(modes=MODES, devices=(1, 2), layers=MODEL["layers"], width=MODEL["width"],
         batch=MODEL["batch"], num_microbatches=MODEL["num_microbatches"], budget_mib=384,
-        max_layers=512, parallel=1, log=print):
+        max_layers=512, parallel=1, log=print, device_mib=MODEL["device_mib"]):
     """The table's rows (one per mode) and the runtime peak the budget sits on."""
     steps, runtime = step_memory(modes, devices, dict(
-        layers=layers, width=width, batch=batch, num_microbatches=num_microbatches),
-        budget_mib, parallel, log)
+        layers=layers, width=width, batch=batch, num_microbatches=num_microbatches,
+        device_mib=device_mib), budget_mib, parallel, log)
     capacity = {}
     if budget_mib and "error" not in runtime:  # a search per mode, `parallel` at once
         capacity = dict(zip(modes, _map(lambda mode: largest_model(
             mode, runtime["peak_mib"] + budget_mib, width, batch, num_microbatches,
-            max_layers, log), modes, parallel)))
+            max_layers, log, device_mib), modes, parallel)))
     rows = []
     for mode in modes:
         row = {"mode": mode}
@@ -247,7 +258,8 @@ def run(modes=MODES, devices=(1, 2), layers=MODEL["layers"], width=MODEL["width"
 def table(rows, devices):
     columns = [("mode", "mode", 0)]
     for k in devices:
-        columns += [(f"K={k} step MiB", f"step_mib_k{k}", 1),
+        columns += [(f"K={k} mode run", f"recompute_used_k{k}", 0),
+                    (f"K={k} step MiB", f"step_mib_k{k}", 1),
                     (f"K={k} execution MiB", f"run_mib_k{k}", 1),
                     (f"K={k} predicted / measured", f"plan_ratio_k{k}", 2)]
     columns += [("largest model (layers)", "layers", 0), ("parameters", "params", 0),
@@ -261,13 +273,14 @@ def main(argv):
     info, start = common.begin(argv)
     devices = [int(k) for k in f.devices]
     model = {"layers": f.layers, "width": f.width, "batch": f.batch,
-             "num_microbatches": f.microbatches}
+             "num_microbatches": f.microbatches, "device_mib": f.device_mib}
     rows, runtime = run(f.modes, devices, budget_mib=f.budget_mib, max_layers=f.max_layers,
                         parallel=f.parallel, **model)
     common.finish(f.out, info, start, rows, f"{IN_WIDTH} -> {f.layers} x Dense({f.width}, "
                   f"relu) -> Dense({OUT_WIDTH}), Adam, batch {f.batch}, M={f.microbatches}; "
                   f"capacity: the most layers whose peak stays within {f.budget_mib} MiB above "
-                  f"the runtime ({common.fmt(runtime, 0)} MiB), K=1", table(rows, devices),
+                  f"the runtime ({common.fmt(runtime, 0)} MiB), K=1; default: tfpipe's "
+                  f"choice for devices of {f.device_mib} MiB each", table(rows, devices),
                   model=model, devices=devices, budget_mib=f.budget_mib, runtime_mib=runtime)
 
 
@@ -283,6 +296,9 @@ def _define_flags():
                          lower_bound=1)
     flags.DEFINE_integer("budget_mib", 384, "Capacity: MiB above the runtime (0: skip).",
                          lower_bound=0)
+    flags.DEFINE_integer("device_mib", MODEL["device_mib"], "The memory of each device "
+                         "the default row tells tfpipe (device_memory_bytes), MiB.",
+                         lower_bound=1)
     flags.DEFINE_integer("max_layers", 512, "Capacity: the most layers probed.", lower_bound=1)
     flags.DEFINE_integer("parallel", 2, "Children at once (peaks are per process).",
                          lower_bound=1)

@@ -245,7 +245,8 @@ flags.DEFINE_string("schedule", _DEFAULTS.schedule,
                     "tfpipe.PipelineStrategy(schedule=...).")
 flags.DEFINE_enum("recompute", _DEFAULTS.recompute, list(config_lib.RECOMPUTE_MODES),
                   "Activation recomputation: always, except_last, never, or auto "
-                  "(except_last when unrolled, always for --execution=loop).")
+                  "(tfpipe's choice from memory, never where it fits; always for "
+                  "--execution=loop).")
 flags.DEFINE_enum("execution", _DEFAULTS.execution, list(config_lib.EXECUTIONS),
                   "auto: tfpipe's choice (stage_functions from --microbatches=8 on, except "
                   "for zbh1/zbv; else unrolled); unrolled: every action traced (graph grows "

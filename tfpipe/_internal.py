@@ -13,6 +13,7 @@ import contextlib
 import keras
 import tensorflow as tf
 from keras.src.backend.common import masking as keras_masking
+from tensorflow.python.client import device_lib
 from tensorflow.python.distribute import collective_all_reduce_strategy
 from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import device_util
@@ -499,23 +500,26 @@ class EmptyDataLikeKeras:
             return None
 
 
+def device_memory_limit(name):
+    """The bytes TF's allocator may use on local device `name` (a GPU's
+    memory less what TF reserves, or a logical device's `memory_limit`), as
+    `device_lib` reports it; None where it lists no such device."""
+    kind_and_index = lambda n: (tf.DeviceSpec.from_string(n).device_type,  # noqa: E731
+                                tf.DeviceSpec.from_string(n).device_index)
+    return next((int(d.memory_limit) for d in device_lib.list_local_devices()
+                 if kind_and_index(d.name) == kind_and_index(name)), None)
+
+
 def tpu_metadata(topology, device_names):
     """TF's `TPUSystemMetadata` of one host with the TPU cores of `topology`
     and `device_names` (what `TPUStrategy` asks a cluster resolver for)."""
-    devices = [_Device(name) for name in device_names]
+    devices = [tf.config.LogicalDevice(name, tf.DeviceSpec.from_string(name).device_type)
+               for name in device_names]  # what TPUSystemMetadata.devices holds
     cores = int(topology.num_tasks * topology.num_tpus_per_task)
     return tpu_system_metadata.TPUSystemMetadata(
         num_cores=cores, num_hosts=int(topology.num_tasks),
         num_of_cores_per_host=int(topology.num_tpus_per_task), topology=topology,
         devices=devices)
-
-
-class _Device:
-    """What `TPUSystemMetadata.devices` holds: a name and a device type."""
-
-    def __init__(self, name):
-        self.name = name
-        self.device_type = tf.DeviceSpec.from_string(name).device_type
 
 
 def tpu_uses_spmd(strategy):
@@ -528,11 +532,6 @@ def tpu_core_devices(strategy):
     """A TPUStrategy's physical core names, an R x K nest: [r][k] is logical
     core k of replica r."""
     return [list(row) for row in strategy.extended._tpu_devices]
-
-
-def tpu_cores_per_replica(strategy):
-    """K, the logical cores of each replica of a TPUStrategy."""
-    return len(tpu_core_devices(strategy)[0])
 
 
 def place_optimizer_updates(optimizer, device_of):

@@ -135,8 +135,8 @@ def default_execution(num_microbatches, schedule, xla_per_stage=False):
 
     The unrolled form has the fastest steps but its trace grows with M; stage
     functions trace each stage once, so from M = `STAGE_FUNCTIONS_FROM_MICROBATCHES`
-    on they are chosen (BUILD.md, "Which to choose"). A schedule that splits
-    the backward (ZB-H1, ZB-V) stays unrolled: only there is each W held apart
+    on they are chosen (BUILD.md, "Benchmarks": the speed-up tables). A schedule
+    that splits the backward (ZB-H1, ZB-V) stays unrolled: only there is each W held apart
     from its I. The loop form (recompute="always", slower steps) is never chosen.
     """
     if xla_per_stage:
@@ -151,7 +151,10 @@ class PipelineConfig:
     """How a pipeline runs: M, a `Schedule`, and the recompute, execution,
     batch_norm and call_losses modes. Build it with `PipelineConfig.make`, which checks.
     `execution_chosen`: tfpipe chose the execution (`default_execution`), so
-    `settings` and `to_json` leave it unset.
+    `settings` and `to_json` leave it unset. `recompute_chosen`: likewise for
+    the recompute mode, which is the execution's default until the model
+    chooses it from memory before its first training step
+    (`tfpipe.recompute_choice`, `choose_recompute`); `recompute_reason` says why.
     """
 
     num_microbatches: int = 1
@@ -161,6 +164,8 @@ class PipelineConfig:
     batch_norm: str = "deferred"
     execution_chosen: bool = False
     call_losses: str = "checked"
+    recompute_chosen: bool = False
+    recompute_reason: str = ""
 
     @classmethod
     def make(cls, num_microbatches=None, schedule=None, recompute=None, execution=None,
@@ -173,15 +178,28 @@ class PipelineConfig:
         chosen = execution is None
         if chosen:
             execution = default_execution(num_microbatches, schedule)
+        resolved = resolve_recompute(recompute, execution)  # checks the execution too
+        # The loop runs one mode: nothing to choose.
+        recompute_chosen = recompute is None and len(EXECUTIONS[execution].recompute_modes) > 1
         return cls(
             num_microbatches=num_microbatches,
             schedule=schedule,
-            recompute=resolve_recompute(recompute, execution),
+            recompute=resolved,
             execution=execution,
             batch_norm=validate_batch_norm("deferred" if batch_norm is None else batch_norm),
             execution_chosen=chosen,
             call_losses=validate_call_losses("checked" if call_losses is None else call_losses),
+            recompute_chosen=recompute_chosen,
         )
+
+    @property
+    def recompute_pending(self):
+        """tfpipe is to choose the recompute mode and has not yet."""
+        return self.recompute_chosen and not self.recompute_reason
+
+    def choose_recompute(self, mode, reason):
+        """This config running `mode`, chosen by tfpipe for `reason`."""
+        return dataclasses.replace(self, recompute=mode, recompute_reason=reason)
 
     def choose_execution(self, xla_per_stage=False):
         """This config with the execution tfpipe chooses (`default_execution`)
@@ -204,6 +222,8 @@ class PipelineConfig:
         out = {name: getattr(self, name) for name in FIELDS}
         if self.execution_chosen:
             out["execution"] = None
+        if self.recompute_chosen:
+            out["recompute"] = None
         return out
 
     def to_json(self):

@@ -102,8 +102,8 @@ def _nbytes(t):
     return int(shape.num_elements()) * tf.as_dtype(t.dtype).size
 
 
-def _unit_functions(unit, env):
-    """(forward, forward + backward) concrete functions of `unit` on `env`,
+def _unit_functions(unit, env, times=True):
+    """(forward (None without `times`), forward + backward) concrete functions of `unit` on `env`,
     what the backward keeps (internal bytes, kept input/output ids) and the
     largest tensor the backward makes (bytes)."""
     input_ids = unit.inputs
@@ -139,7 +139,7 @@ def _unit_functions(unit, env):
     specs = [tf.TensorSpec(env[i].shape, env[i].dtype) for i in input_ids]
     probe = run(*[env[i] for i in input_ids])
     seeds = [tf.TensorSpec(o.shape, o.dtype) for o in probe if o.dtype.is_floating]
-    f = tf.function(forward).get_concrete_function(*specs)
+    f = tf.function(forward).get_concrete_function(*specs) if times else None
     fb = tf.function(forward_backward).get_concrete_function(*specs, *seeds)
     forward_ops = traced["forward_ops"]
     by_tensor = {}
@@ -223,7 +223,7 @@ def _measure_backward(unit, envs, rows, tensor_bytes, repeats, times, cost):
     the unit's traced functions."""
     points = []
     for r, env in zip(rows, envs):
-        f, fb, internal, kept, largest = _unit_functions(unit, env)
+        f, fb, internal, kept, largest = _unit_functions(unit, env, times)
         if not points:
             # Its backward holds the gradients of its outputs and of its inputs
             # and, at most, one more gradient of its own size (ReLU's, say).

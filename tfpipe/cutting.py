@@ -64,6 +64,14 @@ def boundaries(graph, balance):
     return [[graph.names[i] for i in ids] for ids in crossing]
 
 
+class Source:
+    """The model `from_model` cut (its `graph`, `balance` per stage and how
+    that was chosen, `method`), held out of Keras' layer tracking."""
+
+    def __init__(self, model, graph, balance, method):
+        self.model, self.graph, self.balance, self.method = model, graph, balance, method
+
+
 def cut_model(model, balance, num_stages, sample=None):
     """`from_model`'s cut: (graph, balance, method, unbuilt stages) over <= `num_stages`."""
     graph = graph_lib.model_graph(model)

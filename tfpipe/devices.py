@@ -3,11 +3,14 @@
 Every place tfpipe puts a stage's variables or ops enters a `StageDevice`'s
 `scope()`, so a new kind of device is one class here, not a branch
 elsewhere: `StageDevice(name)` (a CPU, GPU or remote task's device; scope
-`tf.device(name)`) and `LogicalCore(strategy, k)`, logical core k of each
+`tf.device(name)`; `LocalCPU` and `LocalGPU` for this machine's, which
+report their memory) and `LogicalCore(strategy, k)`, logical core k of each
 replica of a TPUStrategy (scope `strategy.extended.experimental_logical_device(k)`;
 tfpipe never writes TPU device strings). `LogicalCore` is traced on CPU; it has
 not run on a TPU.
 """
+
+import os
 
 import tensorflow as tf
 
@@ -27,6 +30,12 @@ class StageDevice:
         """A context manager that places variables and ops on this device."""
         return tf.device(self.name)
 
+    def memory(self):
+        """(pool, bytes): the memory this device allocates from, named so that
+        devices sharing it share a pool, and the bytes TF may use there; None
+        where TF does not report it (a remote task's device, a TPU core)."""
+        return None
+
     def __eq__(self, other):
         return type(other) is type(self) and other.name == self.name
 
@@ -38,6 +47,25 @@ class StageDevice:
 
     def __repr__(self):
         return f"{type(self).__name__}({self.name!r})"
+
+
+class LocalCPU(StageDevice):
+    """A CPU device of this process: it allocates from the host's memory,
+    which every CPU device (and replica) of the process shares."""
+
+    def memory(self):
+        try:
+            return "host memory", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, OSError, ValueError):  # no sysconf (Windows)
+            return None
+
+
+class LocalGPU(StageDevice):
+    """A GPU of this process: its own memory, the bytes TF's allocator may use."""
+
+    def memory(self):
+        limit = _internal.device_memory_limit(self.name)
+        return None if limit is None else (self.name, limit)
 
 
 class LogicalCore(StageDevice):
@@ -67,11 +95,15 @@ class LogicalCore(StageDevice):
 
 
 def as_stage_device(device):
-    """`device` as a `StageDevice`: a name becomes the plain kind."""
+    """`device` as a `StageDevice`: a name of this process's CPU or GPU becomes
+    `LocalCPU` or `LocalGPU`, any other name the plain kind."""
     if isinstance(device, StageDevice):
         return device
     if isinstance(device, str):
-        return StageDevice(device)
+        spec = tf.DeviceSpec.from_string(device)
+        local = spec.job in (None, "localhost")
+        kind = {"CPU": LocalCPU, "GPU": LocalGPU}.get(spec.device_type) if local else None
+        return (kind or StageDevice)(device)
     raise ValueError(
         f"A stage device must be a device name (str) or a tfpipe.devices.StageDevice, "
         f"got {type(device).__name__}: {device!r}.")

@@ -412,3 +412,21 @@ def is_shape(value):
     """Whether `value` is one shape: a tuple, list or `tf.TensorShape` of ints and Nones."""
     return isinstance(value, (tuple, list, tf.TensorShape)) and all(
         d is None or isinstance(d, int) for d in value)
+
+
+def stage_chain(stages, input_shape, input_dtype, name):
+    """(graph, units per stage) of hand-made stages taking one input of
+    `input_shape` (batch dimension included), as one `keras.Sequential` of
+    their layers: a Sequential stage unit by layer, another stage as one
+    unit. None where the input is a nest of shapes."""
+    if not is_shape(input_shape):
+        return None
+    layers, balance = [], []
+    for stage in stages:
+        parts = ([l for l in stage.layers if not isinstance(l, keras.layers.InputLayer)]
+                 if isinstance(stage, keras.Sequential) else [stage])
+        layers += parts
+        balance.append(len(parts))
+    chain = keras.Sequential([keras.Input(tuple(input_shape[1:]), dtype=input_dtype)] + layers,
+                             name=name)
+    return model_graph(chain), balance

@@ -8,6 +8,7 @@ only wires: checks, loss split, cut and saving live in their own modules.
 
 import contextlib
 import dataclasses
+import functools
 
 import keras
 import numpy as np
@@ -19,10 +20,13 @@ from tfpipe import config as config_lib
 from tfpipe import cutting
 from tfpipe import engine
 from tfpipe import gradients as gradients_lib
+from tfpipe import graph as graph_lib
 from tfpipe import inputs as inputs_lib
+from tfpipe import keras_config
 from tfpipe import loss as loss_lib
 from tfpipe import microbatch
 from tfpipe import placement
+from tfpipe import recompute_choice
 from tfpipe import replicas
 from tfpipe import saving
 from tfpipe import strategy as strategy_lib
@@ -31,20 +35,9 @@ from tfpipe import tpu
 from tfpipe import xla
 
 
-class _Source:
-    """The model `from_model` cut, held out of Keras' layer tracking."""
-
-    def __init__(self, model, graph, balance, method):
-        self.model, self.graph, self.balance, self.method = model, graph, balance, method
-
-
-def _host_device():
-    cpus = placement.available_devices("CPU")
-    return cpus[0] if cpus else None
-
-
 @keras.saving.register_keras_serializable(package="tfpipe")
-class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras.Model):
+class PipelinedModel(keras_config.KerasConfig, _internal.CheckpointAs,
+                     _internal.EmptyDataLikeKeras, keras.Model):
     """A Keras model whose `stages` run as a pipeline on the strategy's devices.
 
     Args:
@@ -100,8 +93,9 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         if input_shape is not None:
             self.build(input_shape)
 
-    def _use_config(self, config):
-        """Makes `config` (a `PipelineConfig`) the model's configuration."""
+    def _use_config(self, config, keep_steps=False):
+        """Makes `config` (a `PipelineConfig`) the model's configuration;
+        `keep_steps`: it differs in nothing the traced steps read yet."""
         strategy = self._pipeline_strategy
         devices, stage_devices = strategy.pipeline_devices(len(self.stages), config.schedule)
         self._pipeline_config = config
@@ -115,8 +109,8 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         self.pipeline = self.replica_pipelines[0]
         if self.built:
             batchnorm.check_layers(self.stages, config.batch_norm, strategy.num_replicas)
-        # Steps traced for the old configuration must not be reused.
-        self.train_function = self.test_function = self.predict_function = None
+        if not keep_steps:  # steps traced for the old configuration must not be reused
+            self.train_function = self.test_function = self.predict_function = None
 
     def set_trace_options(self, **options):
         """Sets how steps are traced (`tfpipe.engine.TraceOptions`: `enforce_order`,
@@ -196,7 +190,7 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
             kwargs.setdefault("input_dtype", graph.input_dtype)
         kwargs.setdefault("name", f"pipelined_{model.name}")
         with strategy.scope() if in_scope is None else contextlib.nullcontext():
-            pipelined = cls(stages, _source=_Source(model, graph, balance, method), **kwargs)
+            pipelined = cls(stages, _source=cutting.Source(model, graph, balance, method), **kwargs)
         if not pipelined.built:
             raise ValueError(
                 f"from_model could not infer the input shape of {model.name!r}; "
@@ -399,6 +393,8 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
 
     # Each step function Keras makes runs (and traces) in the execution's call scope.
     def make_train_function(self, force=False):
+        if self.pipeline_config.recompute_pending and self._first_batch:
+            self._choose_recompute()
         super().make_train_function(force)
         self.train_function = engine.in_call_scope(self.train_function, self.pipeline_config)
         return self.train_function
@@ -413,6 +409,21 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         self.predict_function = engine.in_call_scope(self.predict_function,
                                                      self.pipeline_config)
         return self.predict_function
+
+    def _choose_recompute(self, x=None):
+        """Sets the recompute mode nobody gave, chosen from memory
+        (`tfpipe.recompute_choice`) on the first batch fit was given, else on
+        zeros shaped as `x` (a step traced outside fit: its inputs)."""
+        first = self._first_batch and functools.partial(
+            inputs_lib.first_batch_values, self._first_batch, self.name, 1)
+        graph, balance = (self._source.graph, self.balance) if self._source else (
+            graph_lib.stage_chain(self.stages, self._built_input_shape, self._input_dtype,
+                                  self.name) or (None, None))
+        choice = recompute_choice.choose(
+            graph, balance, first, x, self.pipeline_config,
+            [p.devices for p in self.replica_pipelines], self.optimizer,
+            getattr(self._pipeline_strategy, "device_memory_bytes", None))
+        self._use_config(self.pipeline_config.choose_recompute(*choice), keep_steps=True)
 
     def split_batch(self, data, sample=None):
         """A Keras batch `data` as a `tfpipe.microbatch.Batch` of M micro-batches
@@ -458,6 +469,8 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
             return replicas.across_replicas(self.get_metrics_result)
 
     def train_step(self, data):
+        if self.pipeline_config.recompute_pending:  # a step traced outside fit
+            self._choose_recompute(keras.utils.unpack_x_y_sample_weight(data)[0])
         batch = self.split_batch(data, sample=self._sample_batch)
         split = self.loss_split()
         scale = self.optimizer.scale_loss if self.optimizer is not None else None
@@ -505,85 +518,6 @@ class PipelinedModel(_internal.CheckpointAs, _internal.EmptyDataLikeKeras, keras
         """Keras' summary, then the stage table (`pipeline_summary`)."""
         super().summary(*args, print_fn=print_fn, **kwargs)
         (print_fn or print)(self.pipeline_summary())
-
-    def get_config(self):
-        config = {"name": self.name, "pipeline": self._pipeline_config.to_json(),
-                  "input_dtype": self._input_dtype}
-        if self._source is not None:
-            config["source_model"] = keras.saving.serialize_keras_object(self._source.model)
-            config["balance"] = list(self._source.balance)
-            config["balance_method"] = self._source.method
-            return config
-        config["stages"] = saving.serialize_stages(self.stages, self.name)
-        return config
-
-    def get_build_config(self):
-        if not self.built:
-            return None
-        return {"input_shape": self._built_input_shape, "input_dtype": self._input_dtype}
-
-    def build_from_config(self, config):
-        if config and not self.built:
-            self._input_dtype = config.get("input_dtype", self._input_dtype)
-            self.build(config["input_shape"])
-
-    def get_compile_config(self):
-        config = super().get_compile_config()
-        if config and hasattr(self, "_jit_request"):
-            # What the user asked: a layout loaded later resolves it again.
-            config["jit_compile"] = self._jit_request
-        return config
-
-    def compile_from_config(self, config):
-        # Keras skips this for models overriding compile(); ours only adds checks.
-        config = keras.saving.deserialize_keras_object(config)
-        if config.get("jit_compile") is True:
-            chosen = self.pipeline_config.choose_execution(
-                xla.needs_stage_functions(True, self.pipeline_devices, self._on_tpu))
-            try:  # XLA was accepted for the saved layout; this one may not take it
-                xla.stage_xla(True, self.pipeline_devices, chosen.traits.stage_functions,
-                              self._on_tpu)
-            except ValueError:
-                config["jit_compile"] = False
-        self.compile(**config)
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        """Rebuilds a saved pipeline under the current `PipelineStrategy`."""
-        config = dict(config)
-        strategy = strategy_lib.current_pipeline_host() or strategy_lib.PipelineStrategy()
-        settings = saving.load_settings(config, strategy.given_settings)
-        request = saving.current_load_request()
-        name, input_dtype = config.pop("name", None), config.pop("input_dtype", "float32")
-        with strategy.scope() if strategy_lib.current_pipeline_host() is None \
-                else contextlib.nullcontext():
-            if "source_model" in config:
-                # On the host first: the whole model may not fit on one accelerator.
-                with tf.device(_host_device()):
-                    source = keras.saving.deserialize_keras_object(
-                        config["source_model"], custom_objects=custom_objects)
-                named = {} if name is None else {"name": name}
-                balance = saving.saved_balance(
-                    config["balance"], strategy, settings["schedule"],
-                    where=f"The saved model {name!r}")
-                pipelined = cls.from_model(source, balance=balance, **named, **settings)
-                if balance == config["balance"]:
-                    pipelined._source.method = config.get("balance_method", "explicit")
-                return pipelined
-            if request is not None and (request.balance is not None or len(
-                    config["stages"]) != strategy.max_stages(settings["schedule"])):
-                raise ValueError(
-                    f"{request.path} holds {len(config['stages'])} hand-made stages, which "
-                    f"cannot be cut again. Load it under a strategy with as many stage "
-                    f"slots, or build the pipeline with PipelinedModel.from_model(model) "
-                    f"(re-cuttable) and save that.")
-            stage_configs = config.pop("stages")
-            try:
-                devices = strategy.pipeline_devices(len(stage_configs), settings["schedule"])[1]
-            except ValueError:
-                devices = ()  # __init__ below raises the same error, with context
-            stages = saving.deserialize_stages(stage_configs, devices, custom_objects)
-            return cls(stages=stages, name=name, input_dtype=input_dtype, **settings)
 
 
 class _StageList:

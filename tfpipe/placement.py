@@ -21,6 +21,12 @@ def available_devices(device_type=None):
     return [d.name for d in devices]
 
 
+def host_device():
+    """This process's first CPU device (None if TF lists none)."""
+    cpus = available_devices("CPU")
+    return cpus[0] if cpus else None
+
+
 def default_devices():
     """All logical GPUs if there are any, else all logical CPUs (of this
     process). Raises ValueError on a client connected to a cluster, where the

@@ -13,53 +13,16 @@ import keras
 import numpy as np
 
 from tfpipe import costs
+from tfpipe import devices as devices_lib
 from tfpipe import graph as graph_lib
 from tfpipe import partition
 from tfpipe import placement
 from tfpipe import prediction
+from tfpipe import recompute_choice
 from tfpipe import schedules
 
-# Optimizer state per trainable parameter, in units of the parameter's bytes.
-OPTIMIZER_SLOTS = {
-    "sgd": 0, "adam": 2, "adamw": 2, "adamax": 2, "nadam": 2, "adadelta": 2,
-    "adagrad": 1, "rmsprop": 1, "lion": 1, "ftrl": 2, "lamb": 2, "adafactor": 1,
-}
 RECOMMEND_SCHEDULES = ("gpipe", "1f1b", "zbh1", "interleaved", "zbv")
 MIB = 2.0**20
-
-
-def optimizer_slots(optimizer):
-    """Optimizer state per trainable parameter (0 for SGD, 2 for Adam, ...) of
-    a name ("adam", "sgd+momentum", ...), a Keras optimizer (its momentum,
-    amsgrad and centered settings read) or a number of slots."""
-    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
-        if optimizer < 0:
-            raise ValueError(f"optimizer={optimizer!r}: a number of state slots per "
-                             f"parameter must be >= 0.")
-        return float(optimizer)
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        name = type(optimizer).__name__.lower()
-        slots = OPTIMIZER_SLOTS.get(name)
-        if name == "sgd":
-            slots = 1 if getattr(optimizer, "momentum", 0) else 0
-        elif name == "adam" and getattr(optimizer, "amsgrad", False):
-            slots = 3
-        elif name == "rmsprop":
-            slots = (1 + bool(getattr(optimizer, "momentum", 0))
-                     + bool(getattr(optimizer, "centered", False)))
-        if slots is not None:
-            return float(slots)
-        optimizer = name
-    if isinstance(optimizer, str):
-        key = optimizer.lower().replace("_", "").replace(" ", "")
-        if key in ("sgd+momentum", "momentum", "sgdmomentum"):
-            return 1.0
-        if key in OPTIMIZER_SLOTS:
-            return float(OPTIMIZER_SLOTS[key])
-    raise ValueError(
-        f"optimizer={optimizer!r} is not one the planner knows. Use a name "
-        f"({', '.join(sorted(OPTIMIZER_SLOTS))} or 'sgd+momentum'), a Keras optimizer "
-        f"instance, or the number of state slots per parameter (e.g. optimizer=2).")
 
 
 @dataclasses.dataclass
@@ -115,6 +78,7 @@ class Plan:
     fits: bool
     recommendation: Recommendation
     measured: dict
+    recompute_reason: str = ""  # why tfpipe chose `recompute`, where it was not given
 
     @property
     def params(self):
@@ -128,7 +92,9 @@ class Plan:
         head = (f"Plan for {self.model}: batch {self.batch_size} = {self.num_microbatches} "
                 f"micro-batch(es) of <= {self.microbatch_rows} rows, {len(self.stages)} "
                 f"stage(s) on {len(self.devices)} device(s), schedule={self.schedule}, "
-                f"recompute={self.recompute}, optimizer state {self.optimizer_slots:g} x "
+                f"recompute={self.recompute}"
+                f"{f' (tfpipe chose it: {self.recompute_reason})' if self.recompute_reason else ''}"
+                f", optimizer state {self.optimizer_slots:g} x "
                 f"params")
         cols = ["stage", "device", "units", "params", "params MiB", "optim MiB",
                 "grads MiB", "input MiB/mb", "stash MiB/mb", "activ. MiB", "peak MiB",
@@ -191,21 +157,14 @@ def _chain_graph(pipelined):
             f"model={pipelined.name!r} is a PipelinedModel that is not built yet, so its "
             f"stages' shapes are unknown. Build it first (pass input_shape=(None, ...) or "
             f"call model.build(input_shape)), or plan the plain Keras model.")
-    shape = build["input_shape"]
-    if not graph_lib.is_shape(shape):
+    chained = graph_lib.stage_chain(pipelined.stages, build["input_shape"],
+                                    build.get("input_dtype", "float32"), pipelined.name)
+    if chained is None:
         raise ValueError(
-            f"model={pipelined.name!r}: hand-made stages with a nested input {shape!r} "
-            f"cannot be planned; plan the plain Keras model (from_model) instead.")
-    layers, balance = [], []
-    for stage in pipelined.stages:
-        parts = ([l for l in stage.layers if not isinstance(l, keras.layers.InputLayer)]
-                 if isinstance(stage, keras.Sequential) else [stage])
-        layers += parts
-        balance.append(len(parts))
-    chain = keras.Sequential(
-        [keras.Input(tuple(shape[1:]), dtype=build.get("input_dtype", "float32"))] + layers,
-        name=pipelined.name)
-    return graph_lib.model_graph(chain), balance
+            f"model={pipelined.name!r}: hand-made stages with a nested input "
+            f"{build['input_shape']!r} cannot be planned; plan the plain Keras model "
+            f"(from_model) instead.")
+    return chained
 
 
 def _resolve_model(model):
@@ -238,7 +197,9 @@ def plan(model, batch_size, num_microbatches, num_stages=None, devices=None, sch
 
     `model`: what `PipelinedModel.from_model` takes, or a built
     `PipelinedModel`, whose K, devices, schedule and recompute mode are the
-    defaults (else v x every GPU or logical CPU, "gpipe", "except_last").
+    defaults (else v x every GPU or logical CPU, "gpipe"); a recompute mode
+    nobody gave is chosen as the model chooses it, from the predicted peak of
+    "never" and the devices' memory (`tfpipe.recompute_choice`).
     `optimizer`: a name, a Keras optimizer or slots per parameter. `repeats`:
     timed runs per unit (the fastest counts); `measure_time=False` assumes
     equal stages. Returns a `Plan` (`print(plan)`: a table; `.to_dict()`).
@@ -259,15 +220,18 @@ def plan(model, batch_size, num_microbatches, num_stages=None, devices=None, sch
     repeats = _positive_int("repeats", repeats, "Use 1 or more timed runs per unit.")
     max_microbatches = _positive_int("max_microbatches", max_microbatches,
                                      "Use the largest M to try (e.g. 64).")
-    slots = optimizer_slots(optimizer)
+    slots = prediction.optimizer_slots(optimizer)
     graph, model_balance, pipelined = _resolve_model(model)
     n_units = len(graph.units)
     if schedule is None:
         schedule = pipelined.schedule if pipelined is not None else "gpipe"
     schedule = schedules.get(schedule)
-    if recompute is None:
-        recompute = pipelined.recompute if pipelined is not None else "except_last"
-    recompute = schedules.validate_recompute(recompute)
+    reason = ""
+    config = pipelined.pipeline_config if pipelined is not None else None
+    if recompute is None and config is not None and not config.recompute_pending:
+        recompute, reason = config.recompute, config.recompute_reason  # given, or chosen
+    if recompute is not None:
+        recompute = schedules.validate_recompute(recompute)
     if devices is None:
         devices = (list(pipelined.pipeline_devices) if pipelined is not None
                    else placement.default_devices())
@@ -317,6 +281,13 @@ def plan(model, batch_size, num_microbatches, num_stages=None, devices=None, sch
         return prediction.evaluate(graph, units, tensor_bytes, rows, batch_size, m_, schedule_,
                                    mode_, balance_, devices[:d_], slots, measure_time)
 
+    if recompute is None:  # as the model would choose it (tfpipe.recompute_choice)
+        stage_devices = ([p.devices for p in pipelined.replica_pipelines] if pipelined else
+                         [[devices_lib.as_stage_device(d) for d in devices]])
+        strategy = pipelined.distribute_strategy if pipelined else None
+        recompute, reason = recompute_choice.decide(
+            evaluate(m, schedule, "never", balance).device_peak_bytes, stage_devices,
+            device_memory_bytes or getattr(strategy, "device_memory_bytes", None))
     chosen = evaluate(m, schedule, recompute, balance)
     fits = chosen.fits(device_memory_bytes)
     advice = None
@@ -332,7 +303,7 @@ def plan(model, batch_size, num_microbatches, num_stages=None, devices=None, sch
         host_peak_bytes=chosen.host_peak_bytes, step_time_s=chosen.step_time_s,
         bubble_fraction=chosen.bubble_fraction,
         device_memory_bytes=(None if device_memory_bytes is None else int(device_memory_bytes)),
-        fits=fits, recommendation=advice, measured=measured)
+        fits=fits, recommendation=advice, measured=measured, recompute_reason=reason)
 
 
 def _recommend(chosen, evaluate, units, batch_size, d_count, n_units, max_microbatches,

@@ -10,9 +10,51 @@ parameters, optimizer state and gradients; the step time is the makespan
 
 import dataclasses
 
+import keras
+
 from tfpipe import cutting
 from tfpipe import graph as graph_lib
 from tfpipe import schedules
+
+# Optimizer state per trainable parameter, in units of the parameter's bytes.
+OPTIMIZER_SLOTS = {
+    "sgd": 0, "adam": 2, "adamw": 2, "adamax": 2, "nadam": 2, "adadelta": 2,
+    "adagrad": 1, "rmsprop": 1, "lion": 1, "ftrl": 2, "lamb": 2, "adafactor": 1,
+}
+
+
+def optimizer_slots(optimizer):
+    """Optimizer state per trainable parameter (0 for SGD, 2 for Adam, ...) of
+    a name ("adam", "sgd+momentum", ...), a Keras optimizer (its momentum,
+    amsgrad and centered settings read) or a number of slots."""
+    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
+        if optimizer < 0:
+            raise ValueError(f"optimizer={optimizer!r}: a number of state slots per "
+                             f"parameter must be >= 0.")
+        return float(optimizer)
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        name = type(optimizer).__name__.lower()
+        slots = OPTIMIZER_SLOTS.get(name)
+        if name == "sgd":
+            slots = 1 if getattr(optimizer, "momentum", 0) else 0
+        elif name == "adam" and getattr(optimizer, "amsgrad", False):
+            slots = 3
+        elif name == "rmsprop":
+            slots = (1 + bool(getattr(optimizer, "momentum", 0))
+                     + bool(getattr(optimizer, "centered", False)))
+        if slots is not None:
+            return float(slots)
+        optimizer = name
+    if isinstance(optimizer, str):
+        key = optimizer.lower().replace("_", "").replace(" ", "")
+        if key in ("sgd+momentum", "momentum", "sgdmomentum"):
+            return 1.0
+        if key in OPTIMIZER_SLOTS:
+            return float(OPTIMIZER_SLOTS[key])
+    raise ValueError(
+        f"optimizer={optimizer!r} is not one the planner knows. Use a name "
+        f"({', '.join(sorted(OPTIMIZER_SLOTS))} or 'sgd+momentum'), a Keras optimizer "
+        f"instance, or the number of state slots per parameter (e.g. optimizer=2).")
 
 
 @dataclasses.dataclass

@@ -41,6 +41,10 @@ class PipelineStrategy(tf.distribute.Strategy):
         and the heartbeats' timeout (half of it): a gone worker then fails
         the step with a TensorFlow error instead of blocking forever. None:
         TensorFlow's defaults (no collective timeout).
+      device_memory_bytes: the bytes each device may use, where a model
+        given no recompute mode chooses one from memory
+        (`tfpipe.recompute_choice`); None: what each device reports (a GPU's
+        memory, the host's for CPUs).
       num_microbatches, schedule, recompute, execution, batch_norm,
         call_losses: the defaults of models made in this scope
         (`tfpipe.config.PipelineConfig`; None: the library default). Settings
@@ -55,12 +59,21 @@ class PipelineStrategy(tf.distribute.Strategy):
 
     def __init__(self, devices=None, num_microbatches=None, schedule=None,
                  recompute=None, execution=None, batch_norm=None, num_replicas=None,
-                 cluster_resolver=None, call_losses=None, peer_timeout_s=None):
+                 cluster_resolver=None, call_losses=None, peer_timeout_s=None,
+                 device_memory_bytes=None):
         given = dict(num_microbatches=num_microbatches, schedule=schedule,
                      recompute=recompute, execution=execution, batch_norm=batch_norm,
                      call_losses=call_losses)
         self._given = {k: v for k, v in given.items() if v is not None}
         self._config = config_lib.PipelineConfig.make(**self._given)
+        if device_memory_bytes is not None and (
+                isinstance(device_memory_bytes, bool)
+                or not isinstance(device_memory_bytes, (int, float)) or device_memory_bytes <= 0):
+            raise ValueError(
+                f"device_memory_bytes must be a positive number of bytes per device (e.g. "
+                f"16 * 2**30), got {device_memory_bytes!r}; or None for what each device "
+                f"reports.")
+        self.device_memory_bytes = device_memory_bytes
         # TF's collective group keys start here: two grids in one process must
         # not share keys, and the n-th strategy gets the same base in every
         # worker process (each runs the same program).

@@ -16,7 +16,7 @@ def stage_table(stages, stage_devices, outputs, config, num_devices, replica_dev
     lines = [
         f"Pipeline: {k} stage(s) on {num_devices} device(s) x "
         f"{config.num_microbatches} micro-batch(es), schedule={config.schedule.name}, "
-        f"recompute={config.recompute}, execution={config.execution}"
+        f"recompute={config.recompute}{_recompute_note(config)}, execution={config.execution}"
         f"{' (tfpipe chose it)' if config.execution_chosen else ''}, "
         f"call_losses={config.call_losses}, "
         f"schedule's ideal bubble (F=1, B=2)={sim.bubble_fraction:.1%}, "
@@ -43,6 +43,14 @@ def stage_table(stages, stage_devices, outputs, config, num_devices, replica_dev
                else f"from_model, by {balance_method}")
         lines.append(f"Balance: {balance} units per stage ({how})")
     return "\n".join(lines)
+
+
+def _recompute_note(config):
+    if not config.recompute_chosen:
+        return ""
+    if config.recompute_pending:
+        return " (until the first training step, where tfpipe chooses it from memory)"
+    return f" (tfpipe chose it: {config.recompute_reason})"
 
 
 def describe_shapes(structure):

@@ -106,7 +106,7 @@ class TPUPipelineHost:
                 "True: XLA's SPMD partitioner would split every op over the replica's cores, "
                 "not run stage k on core k. Make the TPUStrategy without it (the default).")
         self.distribute_strategy = strategy
-        self.cores_per_replica = _internal.tpu_cores_per_replica(strategy)
+        self.cores_per_replica = len(_internal.tpu_core_devices(strategy)[0])
         self._config = config_lib.PipelineConfig.make()
 
     @property

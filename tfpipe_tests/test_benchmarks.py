@@ -16,9 +16,14 @@ from tfpipe_tests import helpers
 TINY = {
     "speedup": ["--devices=2", "--microbatches=2", "--schedules=1f1b", "--layers=2",
                 "--width=8", "--batch=16", "--warmup=1", "--repeats=1", "--steps=1"],
-    "memory": ["--modes=plain,never", "--devices=1,2", "--layers=2", "--width=8",
-               "--batch=64", "--microbatches=2", "--budget_mib=4000", "--max_layers=1"],
+    "memory": ["--modes=plain,never,default", "--devices=1,2", "--layers=2", "--width=8",
+               "--batch=64", "--microbatches=2", "--budget_mib=4000", "--max_layers=1",
+               "--device_mib=1"],
     "overhead": ["--steps=3", "--batch=16", "--repeats=1", "--width=8", "--rounds=1"],
+    "speedup_transformer": ["--model=transformer", "--devices=2", "--microbatches=2",
+                            "--schedules=1f1b", "--layers=2", "--width=16", "--heads=2",
+                            "--seq_len=8", "--batch=4", "--warmup=1", "--repeats=1",
+                            "--steps=1", "--recompute=default"],
     "check_cost": ["--models=transformer+activity", "--layers=1", "--batch=8",
                    "--microbatches=2"],
     "noise_floor": ["--sizes=32", "--dtypes=float32", "--executions=loop", "--images=2",
@@ -29,11 +34,16 @@ FIELDS = {
     "speedup": ("| K | M | schedule |", {"num_devices", "num_microbatches", "schedule",
                                           "execution", "plain_ms", "step_ms", "speedup",
                                           "ideal", "trace_s"}),
-    "memory": ("| mode | K=1 step MiB |", {"step_mib_k1", "run_mib_k1", "layers", "params",
+    "memory": ("| mode | K=1 mode run | K=1 step MiB |", {"step_mib_k1", "run_mib_k1", "layers", "params",
                                             "params_ratio"}),
     "overhead": ("| tree | plain step ms |", {"plain_ms", "step_ms", "step_ratio",
                                               "plain_first_fit_s", "first_fit_s",
                                               "first_fit_ratio"}),
+    "speedup_transformer": ("| K | M | schedule |", {"num_devices", "num_microbatches",
+                                                       "schedule", "execution", "plain_ms",
+                                                       "step_ms", "speedup", "ideal", "trace_s",
+                                                       "plain_trace_s", "trace_ratio",
+                                                       "recompute_used"}),
     "check_cost": ("| model | M | first fit s |", {"first_fit_s", "writes_s", "call_losses_s",
                                                     "checks_fraction"}),
     "noise_floor": ("| size | images | per batch | dtype |", {"update", "noise", "loop"}),
@@ -44,15 +54,18 @@ RATIOS = {"speedup": ("step_ms_vs_tree", "trace_s_vs_tree"),
 
 def _run(tmp_path, module, *flags, timeout=300):
     out = tmp_path / f"{module}.json"
-    proc = helpers.run_child(["-m", f"benchmarks.{module}", f"--out={out}", *flags], timeout)
+    script = module.split("_transformer")[0]  # speedup_transformer: speedup, another row
+    proc = helpers.run_child(["-m", f"benchmarks.{script}", f"--out={out}", *flags], timeout)
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 
 @pytest.mark.parametrize("module, trees, labels", [
     ("speedup", [], ["new"]),
-    # benchmarks.memory's children run for real in test_planner's memory test.
+    # benchmarks.memory's children also run in test_planner's memory test.
+    pytest.param("memory", [], [], marks=pytest.mark.slow),
     pytest.param("speedup", ["--tree=old={copy}"], ["new", "old"], marks=pytest.mark.slow),
     pytest.param("overhead", ["--tree=old={copy}"], ["new", "old"], marks=pytest.mark.slow),
+    pytest.param("speedup_transformer", [], ["new"], marks=pytest.mark.slow),
     pytest.param("check_cost", [], [], marks=pytest.mark.slow),
     pytest.param("noise_floor", [], [], marks=pytest.mark.slow),
 ])
@@ -76,6 +89,10 @@ def test_a_tiny_run_writes_the_rows_its_table_prints(tmp_path, module, trees, la
         assert all(v > 0 for v in values.values() if isinstance(v, float)), values
     for row in rows[1:] if labels and len(labels) > 1 else []:
         assert all(row[ratio] > 0 for ratio in RATIOS[module]), row
+    if module == "memory":  # a few KiB of activations fit a 1 MiB device
+        assert [r.get("recompute_used_k2") for r in rows] == [None, "never", "never"]
+    if module == "speedup_transformer":
+        assert rows[0]["recompute_used"] == "never" and rows[0]["trace_ratio"] > 0
     if module == "speedup":
         tfpipe_roots = [pathlib.Path(r["tfpipe_file"]).parents[1] for r in rows]
         assert tfpipe_roots == [helpers.REPO] + ([tmp_path / "old"] if trees else [])

@@ -40,6 +40,11 @@ def test_cpu_dry_run_checks_exactness_placement_speedup_and_memory(tmp_path):
         ("tfpipe K=2", "per stage")]
     assert all(r["step_ms"] > 0 for r in result["xla"])
     assert result["xla"][3]["max_abs_diff"] < 1e-5  # per-stage XLA against plain Keras
-    assert [r["recompute"] for r in result["memory"]] == ["never", "except_last", "always"]
+    assert [r["recompute"] for r in result["memory"]] == ["never", "except_last", "always",
+                                                          "default: never"]
+    assert "host memory" in result["memory"][-1]["reason"]  # CPUs: the host's
+    assert [(r["microbatches"], r["recompute"]) for r in result["transformer"]] == [
+        (4, "never"), (8, "never")]
+    assert all(r["first_call_s"] > 0 and r["speedup"] > 0 for r in result["transformer"])
     assert all(r["peak_mib"] == [None, None] for r in result["memory"])  # CPUs report none
     assert "exactness (max abs dw vs plain Keras, M=4):\n| K | schedule |" in proc.stdout

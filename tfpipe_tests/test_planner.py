@@ -168,6 +168,17 @@ def test_recommendation_fits_the_memory_given(limit):
         assert "fit" in r.reason
 
 
+@pytest.mark.parametrize("memory, mode, reason", [
+    (None, "never", r"'never' is predicted to need [\d.]+ KiB of host memory's"),
+    (10_000, "except_last", r"of /device:CPU:\d's 9.8 KiB, more than 50% of it"),
+])
+def test_a_plan_given_no_recompute_chooses_it_as_a_model_would(memory, mode, reason):
+    plan = tfpipe.plan(_mlp(), 32, 4, num_stages=2, device_memory_bytes=memory,
+                       measure_time=False, recommend=False)
+    assert plan.recompute == mode and re.search(reason, plan.recompute_reason)
+    assert f"recompute={mode} (tfpipe chose it: {plan.recompute_reason})" in str(plan)
+
+
 def test_plans_a_pipelined_model_as_it_is_cut():
     """Hand-made stages: planned as they are, with the model's settings."""
     with tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], num_microbatches=2,

@@ -133,6 +133,17 @@ def test_move_variable_keeps_the_keras_variable_and_its_value():
     assert (kernel.numpy() == value).all()
 
 
+@pytest.mark.parametrize("name, reported", [
+    ("/device:CPU:0", True),            # device_lib lists the first CPU
+    ("/job:localhost/replica:0/task:0/device:CPU:0", True),
+    ("/device:GPU:0", False),           # no GPU here: None, not an error
+])
+def test_device_memory_limit_reads_device_lib(name, reported):
+    """What `LocalGPU.memory()` reads: an int of bytes, or None."""
+    limit = _internal.device_memory_limit(name)
+    assert (isinstance(limit, int) and limit > 0) if reported else limit is None
+
+
 def test_tpu_strategy_internals_and_optimizer_placement():
     """The TPUStrategy's cores and SPMD flag; the optimizer wrapped to work in
     each variable's device scope (its update, all-reduce and weight decay);
@@ -140,7 +151,6 @@ def test_tpu_strategy_internals_and_optimizer_placement():
     strategy = tfpipe.testing.tpu_strategy("v3-8", cores_per_replica=2, num_replicas=2)
     assert [[d.split("/")[-1] for d in row] for row in _internal.tpu_core_devices(strategy)] \
         == [["device:TPU:0", "device:TPU:1"], ["device:TPU:4", "device:TPU:5"]]
-    assert _internal.tpu_cores_per_replica(strategy) == 2
     assert not _internal.tpu_uses_spmd(strategy)
     assert _internal.tpu_uses_spmd(tfpipe.testing.tpu_strategy("v3-8", 2,
                                                                spmd_xla_partitioning=True))

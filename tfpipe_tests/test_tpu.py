@@ -132,6 +132,20 @@ def test_stage_device_scope_places_variables_and_ops(device, expected):
     assert devices.as_stage_device(device).name.endswith(expected)
 
 
+@pytest.mark.parametrize("name, kind, pool", [
+    ("/device:CPU:1", devices.LocalCPU, "host memory"),
+    ("/job:localhost/replica:0/task:0/device:CPU:3", devices.LocalCPU, "host memory"),
+    ("/device:GPU:0", devices.LocalGPU, None),  # no GPU here: TF reports no memory
+    ("/job:worker/replica:0/task:1/device:CPU:0", devices.StageDevice, None),  # another task's
+])
+def test_a_device_name_becomes_its_kind_which_reports_its_memory(name, kind, pool):
+    """What a recompute mode nobody gave is chosen from (`tfpipe.recompute_choice`)."""
+    device = devices.as_stage_device(name)
+    assert type(device) is kind  # pylint: disable=unidiomatic-typecheck
+    memory = device.memory()
+    assert memory is None if pool is None else (memory[0] == pool and memory[1] > 2**30)
+
+
 # bad input -> error text
 DEVICE_ERRORS = [
     (lambda: devices.scope(3), r"device name \(str\) or a tfpipe.devices.StageDevice, got int"),
