@@ -2,7 +2,8 @@
 
 Re-computing a stage's activations in the backward pass saves memory and
 costs a second forward of that stage: on the transformer benchmark at K=2,
-"except_last" steps take ~20% longer than "never" (BUILD.md, "Transformer").
+"except_last" steps take ~20% longer than "never" (BUILD.md, "Speed-up on a
+transformer").
 So a run given no recompute mode keeps every activation ("never") where the
 predicted peak fits the memory, and re-computes ("except_last", which keeps
 only each stage's input) where it does not, or where tfpipe cannot tell:

@@ -5,8 +5,8 @@ fits, else "except_last"; the step really runs the mode chosen."""
 import re
 
 import numpy as np
-import tensorflow as tf
 import pytest
+import tensorflow as tf
 
 import tfpipe
 from tfpipe_tests import helpers
