@@ -14,6 +14,10 @@ M = `--microbatches`) is timed, and so is the time spent inside each check
   writes s         reading the traced forwards for writes (all traces)
   call losses s    measuring the call losses on real rows (all traces)
   checks / fit     both over the first fit
+  recompute        the recompute mode tfpipe chose (none is given), and
+  choice s         the time choosing it took (`tfpipe.recompute_choice`: the
+                   untimed unit measurement on the first micro-batch)
+  choice / fit     that over the first fit
 
 Models: the repo's transformer LM (`--layers` blocks, width 64; no call
 losses), the same with an L2 activity regulariser on every block's output
@@ -38,8 +42,10 @@ def measure(model, layers, microbatches, batch):
 
     import tfpipe  # pylint: disable=import-outside-toplevel
     from tfpipe import assumptions, boundary, runtime  # pylint: disable=import-outside-toplevel
+    from tfpipe import model as model_lib  # pylint: disable=import-outside-toplevel
+    from tfpipe import recompute_choice  # pylint: disable=import-outside-toplevel
 
-    spent = {"writes": 0.0, "call_losses": 0.0}
+    spent = {"writes": 0.0, "call_losses": 0.0, "choice": 0.0}
 
     def timed(module, name, key):
         function = getattr(module, name)
@@ -57,6 +63,8 @@ def measure(model, layers, microbatches, batch):
     runtime.assumptions = _Proxy(assumptions)
     timed(boundary.assumptions, "variable_writes", "writes")
     timed(runtime.assumptions, "check_call_losses", "call_losses")
+    model_lib.recompute_choice = _Proxy(recompute_choice)  # where the model calls it
+    timed(model_lib.recompute_choice, "choose", "choice")
 
     rng = np.random.default_rng(0)
     keras.utils.set_random_seed(0)
@@ -91,7 +99,9 @@ def measure(model, layers, microbatches, batch):
     first = time.perf_counter() - start
     return {"model": model, "microbatches": microbatches, "first_fit_s": first,
             "writes_s": spent["writes"], "call_losses_s": spent["call_losses"],
-            "checks_fraction": (spent["writes"] + spent["call_losses"]) / first}
+            "checks_fraction": (spent["writes"] + spent["call_losses"]) / first,
+            "recompute_used": pipelined.recompute, "choice_s": spent["choice"],
+            "choice_fraction": spent["choice"] / first}
 
 
 class _Proxy:
@@ -105,7 +115,9 @@ def table(rows):
     return common.markdown_table(
         [("model", "model", None), ("M", "microbatches", None),
          ("first fit s", "first_fit_s", 2), ("writes s", "writes_s", 3),
-         ("call losses s", "call_losses_s", 3), ("checks / fit", "checks_fraction", ".1%")],
+         ("call losses s", "call_losses_s", 3), ("checks / fit", "checks_fraction", ".1%"),
+         ("recompute", "recompute_used", None), ("choice s", "choice_s", 3),
+         ("choice / fit", "choice_fraction", ".1%")],
         rows)
 
 

@@ -45,7 +45,8 @@ FIELDS = {
                                                        "plain_trace_s", "trace_ratio",
                                                        "recompute_used"}),
     "check_cost": ("| model | M | first fit s |", {"first_fit_s", "writes_s", "call_losses_s",
-                                                    "checks_fraction"}),
+                                                    "checks_fraction", "choice_s",
+                                                    "choice_fraction"}),
     "noise_floor": ("| size | images | per batch | dtype |", {"update", "noise", "loop"}),
 }
 RATIOS = {"speedup": ("step_ms_vs_tree", "trace_s_vs_tree"),
@@ -91,6 +92,8 @@ def test_a_tiny_run_writes_the_rows_its_table_prints(tmp_path, module, trees, la
         assert all(row[ratio] > 0 for ratio in RATIOS[module]), row
     if module == "memory":  # a few KiB of activations fit a 1 MiB device
         assert [r.get("recompute_used_k2") for r in rows] == [None, "never", "never"]
+    if module == "check_cost":  # no recompute mode given: chosen, and timed
+        assert [r["recompute_used"] for r in rows] == ["never"]
     if module == "speedup_transformer":
         assert rows[0]["recompute_used"] == "never" and rows[0]["trace_ratio"] > 0
     if module == "speedup":
