@@ -147,6 +147,16 @@ class StopRequest:
         self._previous = {}
 
 
+def ignore_while_exiting():
+    """Ignores `SIGNALS` from now on, for a run that has stopped and only
+    exits: Python's own exit sets the handlers back to the default, so a
+    second signal landing there would kill the process (status -N) instead of
+    letting it exit 128 + N. An ignored handler is left alone by that exit."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+
+
 def say(line):
     """Writes `line` to the user's stderr at once, from a signal handler too."""
     data = (line + "\n").encode()

@@ -404,6 +404,8 @@ def _main(config, scratch=None):
         result = train(config, scratch=scratch)
     except RunError as err:
         print(f"launch.train: {err.label}: {err}", file=sys.stderr, flush=True)
+        if isinstance(err, Stopped):
+            signals.ignore_while_exiting()  # stopped: a later signal cannot change the status
         return err.exit_code
     except OSError as err:  # the file system: permissions, a full disk, a vanished path
         where = f" ({err.filename})" if err.filename else ""
