@@ -256,12 +256,45 @@ def test_serialized_device_ops_train_exactly_and_are_chained():
     # The pipeline's ops on the device wait for the op traced before them (the
     # optimizer's updates, traced after the pipeline, are not chained).
     waiting = [op for op in on_device_1 if op.control_inputs]
-    assert len(waiting) > 100
+    assert len(waiting) > 60
+    # Constants run no kernel on a stream and stay unchained (grappler test below).
+    assert not [op for op in waiting if op.type == "Const"]
     model.set_trace_options(serialize_ops=False)
     plain = tf.function(model.train_step).get_concrete_function(
         (tf.TensorSpec([16, 8], tf.float32), tf.TensorSpec([16, 3], tf.float32))).graph
     assert sum(1 for op in plain.get_operations()
                if op.device.endswith("CPU:1") and op.control_inputs) < len(waiting) / 4
+
+
+_SERIALIZED_TRANSFORMER_STEP = """
+import tensorflow as tf, tfpipe, keras
+tfpipe.testing.use_logical_cpus(2)
+from models import transformer_lm
+strategy = tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], num_microbatches=4,
+                                   schedule={schedule!r}, recompute="never",
+                                   execution="unrolled")
+with strategy.scope():
+    model = tfpipe.PipelinedModel.from_model(transformer_lm.transformer_lm(
+        num_layers=2, width=16, num_heads=2, seq_len=8))
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.set_trace_options(serialize_ops=True)
+tokens = tf.zeros((8, 8), tf.int32)
+model.fit(tokens, tokens, batch_size=8, epochs=1, verbose=0)
+print("trained")
+"""
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zbh1"])
+def test_a_serialized_step_is_one_grappler_can_optimise(schedule):
+    # Chaining a Const made grappler's constant folding build a cycle; TF then
+    # logged the failure and ran the whole step unoptimised (the benchmarks'
+    # unrolled transformer rows 11-14% slower). Its log is the only sign.
+    done = helpers.run_child(["-c", _SERIALIZED_TRANSFORMER_STEP.format(schedule=schedule)],
+                             300, env={"TF_CPP_MIN_LOG_LEVEL": "0"})
+    assert done.returncode == 0 and "trained" in done.stdout, done.stderr[-3000:]
+    assert "couldn't be sorted in topological order" not in done.stderr
+    assert "function optimization failure" not in done.stderr
 
 
 def test_next_action_waits_for_the_weight_gradients_of_a_backward():
