@@ -59,7 +59,8 @@ FIELDS = ("execution", "plain_ms", "step_ms", "speedup", "ideal", "trace_s", "pl
 # -- in the child ---------------------------------------------------------------------
 
 
-def _pipelined(num_devices, num_microbatches, schedule, recompute, execution, layers, width):
+def _pipelined(num_devices, num_microbatches, schedule, recompute, execution, layers, width,
+               balance=None):
     import keras  # pylint: disable=import-outside-toplevel
     import tfpipe  # pylint: disable=import-outside-toplevel
     strategy = tfpipe.PipelineStrategy(
@@ -67,8 +68,9 @@ def _pipelined(num_devices, num_microbatches, schedule, recompute, execution, la
         schedule=schedule, recompute=recompute, execution=execution)
     with strategy.scope():
         model = tfpipe.PipelinedModel(
-            [keras.Sequential(common.mlp_layers(layers // num_devices, width))
-             for _ in range(num_devices)], input_shape=(None, width))
+            [keras.Sequential(common.mlp_layers(n, width))
+             for n in balance or [layers // num_devices] * num_devices],
+            input_shape=(None, width))
         model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
     common.serialize_ops(model)
     return model
@@ -82,7 +84,7 @@ def _plain(layers, width):
 
 
 def _transformers(num_devices, num_microbatches, schedule, recompute, execution, layers,
-                  width, heads, seq_len):
+                  width, heads, seq_len, balance=None):
     """(plain transformer LM, the same weights cut into a pipeline)."""
     import keras  # pylint: disable=import-outside-toplevel
     import tfpipe  # pylint: disable=import-outside-toplevel
@@ -105,7 +107,7 @@ def _transformers(num_devices, num_microbatches, schedule, recompute, execution,
     with strategy.scope():
         source = make()
         model = compiled(tfpipe.PipelinedModel.from_model(
-            source, balance=transformer_lm.stage_balance(source, num_devices)))
+            source, balance=balance or transformer_lm.stage_balance(source, num_devices)))
     common.serialize_ops(model)
     return plain, model
 
@@ -135,9 +137,11 @@ def _timer(model, x, y, executor=None):
 def measure(num_devices, num_microbatches, schedule, recompute="never", execution=None,
             layers=MODEL["layers"], width=MODEL["width"], batch=MODEL["batch"],
             warmup=TIMING["warmup"], repeats=TIMING["repeats"], steps=TIMING["steps"], seed=0,
-            model="mlp", heads=TRANSFORMER["heads"], seq_len=TRANSFORMER["seq_len"]):
+            model="mlp", heads=TRANSFORMER["heads"], seq_len=TRANSFORMER["seq_len"],
+            balance=None):
     """Times the pipelined model and plain Keras in this process (a child with
-    `num_devices` logical CPUs); returns the row's measured fields."""
+    `num_devices` logical CPUs); returns the row's measured fields. `balance`:
+    units per stage (default: K equal stages, the transformer's blocks spread)."""
     import keras  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import tfpipe  # pylint: disable=import-outside-toplevel
@@ -149,9 +153,9 @@ def measure(num_devices, num_microbatches, schedule, recompute="never", executio
         y = gen.uniform((batch, seq_len), 0, 256, tf.int32)
         plain_model, pipelined_model = _transformers(
             num_devices, num_microbatches, schedule, recompute, execution, layers, width,
-            heads, seq_len)
+            heads, seq_len, balance)
     else:
-        if layers % num_devices:
+        if balance is None and layers % num_devices:
             raise ValueError(f"{layers} layers do not cut into {num_devices} equal stages")
         x, y = gen.normal((batch, width)), gen.normal((batch, width))
         plain_model = _plain(layers, width)
@@ -161,7 +165,7 @@ def measure(num_devices, num_microbatches, schedule, recompute="never", executio
                                 lambda: context.function_executor_type(
                                     "SINGLE_THREADED_EXECUTOR"))
     model = pipelined_model or _pipelined(num_devices, num_microbatches, schedule, recompute,
-                                          execution, layers, width)
+                                          execution, layers, width, balance)
     trace_s, pipelined = _timer(model, x, y)
     for _ in range(warmup - 1):  # the first call was the first warm-up
         plain(1)

@@ -30,7 +30,10 @@ class Recommendation:
     """The configuration `plan` recommends: its settings (`schedule` a name,
     `balance` units per stage), predictions, `speedup` (the planned step's
     predicted time / this one's: a ratio of two predictions made the same
-    way), `fits` (None: no limit given) and a one-line `reason`."""
+    way), `fits` (None: no limit given), a one-line `reason`, and `tried`:
+    every configuration compared, best first, each a dict of its settings,
+    `step_time_s` (None: not timed), `bubble_fraction`, `peak_bytes` (the
+    largest device's) and `fits`."""
     num_microbatches: int
     schedule: str
     recompute: str
@@ -41,6 +44,7 @@ class Recommendation:
     speedup: float
     fits: bool
     reason: str
+    tried: list = dataclasses.field(default_factory=list)
 
 
 def _mib(value):
@@ -329,17 +333,19 @@ def _recommend(chosen, evaluate, units, batch_size, d_count, n_units, max_microb
             for balance in balances:
                 for mode in schedules.RECOMPUTE_MODES:
                     options.append(evaluate(m, schedule, mode, balance))
+
+    def key(o):
+        # Fastest first (bubble when not timed), then the smaller peak.
+        speed = o.step_time_s if timed else o.bubble_fraction
+        return (o.fits(limit) is False, round(speed, 12), max(o.device_peak_bytes))
+    options.sort(key=key)
     fitting = [o for o in options if o.fits(limit) is not False]
     if not fitting:
         best = min(options, key=lambda o: max(o.device_peak_bytes))
         reason = (f"Nothing tried fits {_mib(limit)} MiB per device; this is the smallest "
                   f"peak found. Use more devices or a smaller batch.")
     else:
-        def key(o):
-            # Fastest first (bubble when not timed), then the smaller peak.
-            speed = o.step_time_s if timed else o.bubble_fraction
-            return (round(speed, 12), max(o.device_peak_bytes))
-        best = min(fitting, key=key)
+        best = fitting[0]
         what = "the shortest predicted step" if timed else "the smallest bubble"
         reason = (f"Of {len(options)} configurations tried, {len(fitting)} fit"
                   + ("" if limit is not None else " (no memory limit given)")
@@ -350,4 +356,9 @@ def _recommend(chosen, evaluate, units, batch_size, d_count, n_units, max_microb
         num_microbatches=best.num_microbatches, schedule=schedules.schedule_name(best.schedule),
         recompute=best.recompute, balance=list(best.balance), step_time_s=best.step_time_s,
         bubble_fraction=best.bubble_fraction, device_peak_bytes=best.device_peak_bytes,
-        speedup=speedup, fits=best.fits(limit), reason=reason)
+        speedup=speedup, fits=best.fits(limit), reason=reason,
+        tried=[{"num_microbatches": o.num_microbatches,
+                "schedule": schedules.schedule_name(o.schedule), "recompute": o.recompute,
+                "balance": list(o.balance), "step_time_s": o.step_time_s,
+                "bubble_fraction": o.bubble_fraction, "peak_bytes": max(o.device_peak_bytes),
+                "fits": o.fits(limit)} for o in options])

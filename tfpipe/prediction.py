@@ -134,8 +134,11 @@ def evaluate(graph, units, tensor_bytes, rows_measured, batch_size, m, schedule,
         forward.append(f)
         backward.append(b)
     if timed:  # the simulator adds each replayed micro-batch's forward to its backward
+        # A split backward: stage 0 has no input gradient, so its I is empty
+        # and its W all of B (measured: I0 0 ms); elsewhere I and W halve B.
+        weight = [backward[0]] + [b / 2 for b in backward[1:]]
         sim = schedules.simulate(schedule, m, d_count, forward_cost=forward,
-                                 backward_cost=backward, recompute=mode)
+                                 backward_cost=backward, weight_cost=weight, recompute=mode)
     else:  # no times: equal stages (F=1, B=2, replays priced), for the bubble and order
         sim = schedules.simulate(schedule, m, d_count, recompute=mode)
     stage_peak, device_act, host_act = _activation_peaks(sim, info, mode, m, k_count)

@@ -132,6 +132,16 @@ def test_measured_times_feed_the_simulator(recompute):
     assert r.step_time_s <= plan.step_time_s  # the planned one is among those tried
     assert 32 % r.num_microbatches == 0
     assert sum(r.balance) == len(model.layers)
+    # Every configuration compared, fastest first: the recommendation, then
+    # the rest, the planned one among them with its predicted step.
+    settings = ("num_microbatches", "schedule", "recompute", "balance", "step_time_s")
+    assert {k: r.tried[0][k] for k in settings} == {k: getattr(r, k) for k in settings}
+    steps = [t["step_time_s"] for t in r.tried]
+    assert all(a <= b + 1e-12 for a, b in zip(steps, steps[1:]))  # ties by peak
+    assert r.reason.startswith(f"Of {len(r.tried)} configurations tried")
+    assert {"num_microbatches": 4, "schedule": "1f1b", "recompute": recompute,
+            "balance": plan.balance, "step_time_s": pytest.approx(plan.step_time_s)} in [
+        {k: t[k] for k in settings} for t in r.tried]
     # Times are relative (each layer timed alone: no per-call overhead, no
     # devices sharing a host); the printout says so and never shows a step in
     # ms that reads as a prediction of the run's. The recommendation is a
@@ -159,12 +169,15 @@ def test_recommendation_fits_the_memory_given(limit):
     r = limited.recommendation
     assert limited.fits is False
     assert "does NOT fit" in str(limited)
+    # What fits comes first, the recommendation at its head.
+    fits = [t["fits"] for t in r.tried]
+    assert fits == sorted(fits, key=lambda f: f is False)
     if limit == "one_byte":
-        assert r.fits is False
+        assert r.fits is False and set(fits) == {False}
         assert "Nothing tried fits" in r.reason
     else:  # recompute or more micro-batches bring it under the limit
-        assert r.fits is True
-        assert max(r.device_peak_bytes) <= bytes_
+        assert r.fits is True and fits[0] is True
+        assert r.tried[0]["peak_bytes"] == max(r.device_peak_bytes) <= bytes_
         assert "fit" in r.reason
 
 
