@@ -9,7 +9,7 @@ another):
     pip install '.[tpu]'      the same with tensorflow-tpu (a Cloud TPU VM; add
                               -f https://storage.googleapis.com/libtpu-releases/index.html)
     pip install .             Keras and absl-py only: for a TensorFlow installed first
-    pip install '.[plot]'    + matplotlib, for `tfpipe.profile` Gantt charts
+    pip install '.[plot]'    + matplotlib, for `tfpipe.timeline` Gantt charts
     pip install '.[train]'   + what `launch/` (the trainer) and `benchmarks/` import:
                              TensorBoard, TensorFlow Datasets, scikit-learn, matplotlib
     pip install '.[test]'    [train] + pytest, pytest-xdist + keras-hub's small dependencies

@@ -416,7 +416,7 @@ def train(config, callbacks=(), stop=None, before_save=None, record=None, resume
     if config.timeline:
         # One measured step (forward + backward, no update) when fit ends: a
         # Chrome trace and a Gantt chart, also shown in TensorBoard's Images.
-        timeline = tfpipe.profile.PipelineTimeline(
+        timeline = tfpipe.timeline.PipelineTimeline(
             x_train[: config.batch_size], y_train[: config.batch_size],
             log_dir=str(model_dir / outputs.TIMELINE_DIR), tensorboard_dir=str(pipeline_board))
         for suffix in (".json", ".png"):  # the names it will write, at the last epoch

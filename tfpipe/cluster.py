@@ -11,8 +11,7 @@ hangs the client (`tfpipe.StepWatchdog` ends it, using `tfpipe.probe`).
 
 Run as a program this file is one worker (`TF_CONFIG=... python -m
 tfpipe.cluster --worker` on each host). `LocalCluster` runs it with `python
--P`, which keeps `tfpipe/` (whose `profile.py` would shadow the standard
-library's) off `sys.path` and skips importing the rest of tfpipe.
+-P`, which keeps `tfpipe/` off `sys.path` and skips importing the rest of tfpipe.
 """
 
 import argparse
@@ -245,10 +244,6 @@ class LocalCluster:
     def worker_devices(self, device_type="CPU", index=0):
         """["/job:worker/task:k/device:CPU:0" for each worker k]."""
         return worker_devices(self.cluster_spec, device_type, index)
-
-    def task_of(self, pid):
-        """The task name ("/job:worker/task:k") of worker process `pid`."""
-        return f"/job:{JOB}/task:{self.pids.index(pid)}"
 
 
 def kill_local_workers():

@@ -91,7 +91,7 @@ TRAIN = ["tensorboard", "tensorflow-datasets", "importlib-resources", "scikit-le
     ("cpu", ["tensorflow-cpu==2.21.*"]),
     ("and-cuda", ["tensorflow[and-cuda]==2.21.*"]),
     ("tpu", ["tensorflow-tpu==2.21.*"]),
-    ("plot", ["matplotlib"]),  # tfpipe.profile's Gantt charts
+    ("plot", ["matplotlib"]),  # tfpipe.timeline's Gantt charts
     ("train", TRAIN),  # launch/ and benchmarks/, from the repository
     ("test", [*TRAIN, "pytest", "pytest-xdist", "regex", "rich", "kagglehub", "tokenizers",
               "sentencepiece"]),
@@ -123,8 +123,8 @@ for info in pkgutil.walk_packages(tfpipe.__path__, "tfpipe."):
         report[info.name] = "ok"
     except Exception as err:
         report[info.name] = f"{type(err).__name__}: {err}"
-timeline = tfpipe.profile.Timeline(
-    **{f.name: None for f in dataclasses.fields(tfpipe.profile.Timeline)})
+timeline = tfpipe.timeline.Timeline(
+    **{f.name: None for f in dataclasses.fields(tfpipe.timeline.Timeline)})
 try:
     timeline.plot()
 except ImportError as err:
@@ -140,7 +140,7 @@ def test_every_tfpipe_module_imports_without_the_extras():
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.splitlines()[-1])
     modules = {name for name in report if name.startswith("tfpipe.")}
-    assert {"tfpipe.model", "tfpipe.profile", "tfpipe.schedules"} <= modules
+    assert {"tfpipe.model", "tfpipe.timeline", "tfpipe.schedules"} <= modules
     assert {name: report[name] for name in modules} == {name: "ok" for name in modules}
     assert report["loaded"] == []
     assert report["Timeline.plot"] == (

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tfpipe import profile
+from tfpipe import timeline as timeline_lib
 from tfpipe import schedules
 from tfpipe_tests import helpers
 
@@ -55,7 +55,7 @@ def test_record_step_follows_the_schedule_and_changes_nothing(schedule, executio
     model = _model(schedule, execution)
     x, y = helpers.regression_data(n=16)
     before = [v.numpy() for v in model.variables]
-    timeline = tfpipe.profile.record_step(model, x, y)
+    timeline = tfpipe.timeline.record_step(model, x, y)
     assert helpers.max_abs_diff(before, [v.numpy() for v in model.variables]) == 0.0
 
     m, d, k = 4, 2, len(model.stages)
@@ -92,7 +92,7 @@ def test_record_step_with_one_stream_per_device(schedule):
     model = _model(schedule)
     model.set_trace_options(serialize_ops=True)
     x, y = helpers.regression_data(n=16)
-    timeline = tfpipe.profile.record_step(model, x, y)
+    timeline = tfpipe.timeline.record_step(model, x, y)
     table = model.schedule.actions(4, 2)
     for dev in range(2):
         mine = sorted((e for e in timeline.events if e.device == dev), key=lambda e: e.start_ms)
@@ -110,8 +110,8 @@ def test_record_step_with_one_stream_per_device(schedule):
      ([0.0, 0.0], [2.0, 4.0], [2.0, 3.0])),
 ])
 def test_stage_costs_are_what_the_simulator_takes(events, expected):
-    events = [profile.Event(*e) for e in events]
-    assert profile.stage_costs(events, 2) == tuple(list(map(pytest.approx, c)) for c in expected)
+    events = [timeline_lib.Event(*e) for e in events]
+    assert timeline_lib.stage_costs(events, 2) == tuple(list(map(pytest.approx, c)) for c in expected)
 
 
 def _wide_model(schedule, execution, m, width=512, layers=4):
@@ -137,7 +137,7 @@ def test_two_devices_work_at_once_in_a_recorded_step(schedule, execution):
     x = rng.normal(size=(256, 512)).astype("float32")
     y = np.zeros((256, 3), "float32")
     for _ in range(3):  # a loaded 2-core machine may still delay one device
-        timeline = profile.record_step(model, x, y)
+        timeline = timeline_lib.record_step(model, x, y)
         if timeline.overlap_ms > 0.0:
             break
     assert timeline.overlap_ms > 0.0, timeline.summary()
@@ -147,7 +147,7 @@ def test_two_devices_work_at_once_in_a_recorded_step(schedule, execution):
 
 
 def _timeline(events, devices=2, schedule="1f1b", m=4, predicted_overlap_ms=1.0):
-    return profile.Timeline([profile.Event(*e) for e in events],
+    return timeline_lib.Timeline([timeline_lib.Event(*e) for e in events],
                             [f"/device:CPU:{d}" for d in range(devices)], schedule, m,
                             measured_bubble=0.5, predicted_bubble=0.25, ideal_bubble=0.2,
                             predicted_overlap_ms=predicted_overlap_ms)
@@ -161,7 +161,7 @@ def _timeline(events, devices=2, schedule="1f1b", m=4, predicted_overlap_ms=1.0)
     ([[(0, 5)], []], 0.0),                             # one device idle
 ])
 def test_overlap_counts_time_with_two_or_more_devices_busy(intervals, expected):
-    assert profile.overlap_ms(intervals) == pytest.approx(expected)
+    assert timeline_lib.overlap_ms(intervals) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("devices, predicted_overlap_ms, text", [
@@ -200,7 +200,7 @@ def test_gantt_chart_labels_fit_their_bars_and_read_on_their_colour():
             [(e.start_ms, e.device + 0.4), (e.end_ms, e.device - 0.4)])
         assert x0 <= box.x0 and box.x1 <= x1, e.name  # inside the bar, in pixels
         assert y0 <= box.y0 and box.y1 <= y1, e.name
-        colour = profile._COLOURS[e.kind]  # pylint: disable=protected-access
+        colour = timeline_lib._COLOURS[e.kind]  # pylint: disable=protected-access
         assert _contrast(text.get_color(), colour) >= 4.5, e.name  # WCAG AA
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
         f"{k}: {schedules.KINDS[k].description}" for k in "FBIW"]
@@ -226,7 +226,7 @@ def _contrast(a, b):
 def test_chrome_trace_png_and_callback(tmp_path):
     model = _model("1f1b")
     x, y = helpers.regression_data(n=32)
-    timeline = tfpipe.profile.record_step(model, x[:16], y[:16])
+    timeline = tfpipe.timeline.record_step(model, x[:16], y[:16])
     trace = json.load(open(timeline.to_chrome_trace(str(tmp_path / "t.json"))))
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(spans) == len(timeline.events)
@@ -241,7 +241,7 @@ def test_chrome_trace_png_and_callback(tmp_path):
     assert meta["figures"]["ideal_bubble"].startswith("schedule's ideal with F=1, B=2")
     assert timeline.plot(str(tmp_path / "t.png"))[:8] == b"\x89PNG\r\n\x1a\n"
 
-    callback = tfpipe.profile.PipelineTimeline(x[:16], y[:16], log_dir=str(tmp_path / "tl"),
+    callback = tfpipe.timeline.PipelineTimeline(x[:16], y[:16], log_dir=str(tmp_path / "tl"),
                                                tensorboard_dir=str(tmp_path / "tb"))
     model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[callback])
     assert [p.rsplit("/", 1)[1] for p in callback.paths] == ["timeline_epoch2.json",
@@ -252,7 +252,7 @@ def test_chrome_trace_png_and_callback(tmp_path):
             for value in event.summary.value:
                 written[value.tag] = value.metadata.summary_description
     assert written == {"pipeline/timeline": callback.timelines[-1].summary(),
-                       **{tag: profile.FIGURES[name] for tag, name in profile.SCALARS}}
+                       **{tag: timeline_lib.FIGURES[name] for tag, name in timeline_lib.SCALARS}}
     assert sorted(written) == ["pipeline/bubble_measured",
                                "pipeline/bubble_predicted_from_stage_costs",
                                "pipeline/bubble_schedule_ideal_F1_B2",
@@ -265,7 +265,7 @@ def test_record_step_times_a_ragged_batch_and_leaves_the_model_unchanged():
     model = _model("gpipe")
     x, y = helpers.regression_data(n=10)
     before = [w.numpy() for w in model.weights]
-    timeline = tfpipe.profile.record_step(model, x, y)
+    timeline = tfpipe.timeline.record_step(model, x, y)
     assert len(timeline.events) == 2 * len(model.stages) * 4  # F and B per stage and micro-batch
     for a, b in zip(before, model.weights):
         np.testing.assert_array_equal(a, b.numpy())
@@ -291,7 +291,7 @@ _TRANSFORMER_RECORDING = textwrap.dedent("""
             model.compile(optimizer="adam",
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-        timeline = tfpipe.profile.record_step(model, x, y)
+        timeline = tfpipe.timeline.record_step(model, x, y)
         print(schedule, execution, len(timeline.events), flush=True)
 """)
 
