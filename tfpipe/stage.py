@@ -236,12 +236,11 @@ def stage_gradients(stage, tape, packed, out, extra, parts, g_out, extra_seed,
 
 
 def call_scope(traits):
-    """Context to trace and call a step of the execution `traits` in. Under
-    stage functions grappler's function optimizer is off: it would specialise
-    and optimise a stage function again for each action calling it."""
-    if traits.stage_functions:
-        return _internal.function_optimizer_off()
-    return contextlib.nullcontext()
+    """Context to trace and call a step of the execution `traits` in:
+    grappler runs one pass (`_internal.grappler_options`), and under stage
+    functions without its function optimizer, which would specialise and
+    optimise a stage function again for each action calling it."""
+    return _internal.grappler_options(function_optimizer=not traits.stage_functions)
 
 
 class CalledFunction:

@@ -5,7 +5,7 @@ import itertools
 
 import tensorflow as tf
 
-from tfpipe import _internal
+from tfpipe import _internal_distribute
 from tfpipe import config as config_lib
 from tfpipe import placement
 from tfpipe import schedules
@@ -84,8 +84,8 @@ class PipelineStrategy(tf.distribute.Strategy):
                     f"PipelineStrategy num_replicas={num_replicas!r} with a "
                     f"cluster_resolver: the replicas are the cluster's worker processes "
                     f"(one pipeline each). Drop num_replicas.")
-            extended = _internal.PipelineMultiWorkerExtended(self, cluster_resolver,
-                                                             peer_timeout_s)
+            extended = _internal_distribute.PipelineMultiWorkerExtended(
+                self, cluster_resolver, peer_timeout_s)
             task = extended.worker_task
             local = ([d for d in placement.available_devices("GPU") if placement.same_task(d, task)]
                      or [d for d in placement.available_devices("CPU")
@@ -98,8 +98,8 @@ class PipelineStrategy(tf.distribute.Strategy):
         else:
             grid = device_grid(placement.default_devices() if devices is None else devices,
                                num_replicas)
-            extended = (_internal.PipelineExtended(self, grid[0]) if len(grid) == 1
-                        else _internal.PipelineGridExtended(self, grid))
+            extended = (_internal_distribute.PipelineExtended(self, grid[0]) if len(grid) == 1
+                        else _internal_distribute.PipelineGridExtended(self, grid))
         self._grid = grid
         self._devices = grid[0]
         super().__init__(extended)
@@ -226,12 +226,6 @@ def device_grid(devices, num_replicas=None):
     if len(set(flat)) != len(flat):
         raise ValueError(f"PipelineStrategy devices must be distinct, got {flat}.")
     return grid
-
-
-def current_pipeline_strategy():
-    """The `PipelineStrategy` in scope, or None."""
-    strategy = tf.distribute.get_strategy()
-    return strategy if isinstance(strategy, PipelineStrategy) else None
 
 
 def current_pipeline_host():

@@ -10,6 +10,7 @@ import tensorflow as tf
 import tfpipe
 from tfpipe_tests import helpers
 from tfpipe import _internal
+from tfpipe import _internal_distribute
 from tfpipe import microbatch
 from tfpipe import partition
 from tfpipe_tests import conftest
@@ -78,7 +79,7 @@ def test_grid_strategy_mirrors_each_variable_over_its_column():
     elsewhere over column 0; a colocated one (a slot) next to its variable's
     copies; `local_copies` lists them."""
     strategy = tfpipe.PipelineStrategy(num_replicas=2)
-    assert isinstance(strategy.extended, _internal.PipelineGridExtended)
+    assert isinstance(strategy.extended, _internal_distribute.PipelineGridExtended)
 
     def copies(v):
         return [c.device.split("/")[-1] for c in _internal.local_copies(v)]
@@ -291,30 +292,40 @@ def test_unique_rows_are_seen_through_a_function_gradient(unique, expected):
     assert found["unique"] is expected
 
 
-@pytest.mark.parametrize("scoped, optimizer", [(True, "OFF"), (False, "DEFAULT")])
-def test_function_optimizer_off_reaches_the_call_ops_traced_in_it(scoped, optimizer):
-    """`function_optimizer_off` (the eager context's private
-    `function_call_options`) sets the grappler config that a stage function's
-    call op is traced with, which is the config its body runs under, and
-    gives the thread its own options back afterwards."""
+@pytest.mark.parametrize("scope, function_optimizer, iterations", [
+    ("stage_functions", "OFF", "ONE"),
+    ("unrolled", "DEFAULT", "ONE"),
+    (None, "DEFAULT", "DEFAULT_NUM_ITERS"),  # outside tfpipe's call scope: TF's own
+])
+def test_grappler_options_reach_the_call_ops_traced_in_them(scope, function_optimizer,
+                                                             iterations):
+    """`grappler_options` (the eager context's private `function_call_options`),
+    as a step's call scope sets it, is the grappler config that the call ops
+    traced in it carry, which is the config their bodies run under, and gives
+    the thread its own options back afterwards."""
     from tensorflow.core.protobuf import config_pb2  # pylint: disable=import-outside-toplevel
     from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=import-outside-toplevel
     from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+    from tfpipe import config as config_lib  # pylint: disable=import-outside-toplevel
+    from tfpipe import stage  # pylint: disable=import-outside-toplevel
 
     inner = tf.function(lambda x: x * 2.0, autograph=False,
                         experimental_attributes={"_noinline": True})
     outer = tf.function(lambda x: inner(x) + inner(x), autograph=False)
     before = context.context().function_call_options
-    with _internal.function_optimizer_off() if scoped else contextlib.nullcontext():
+    with (stage.call_scope(config_lib.execution(scope)) if scope
+          else contextlib.nullcontext()):
         graph = outer.get_concrete_function(tf.TensorSpec([], tf.float32)).graph
         assert float(outer(tf.constant(1.0))) == 4.0
     assert context.context().function_call_options is before
     calls = [op for op in graph.get_operations() if op.type.endswith("PartitionedCall")]
     assert len(calls) == 2
+    rewriter = rewriter_config_pb2.RewriterConfig
     for op in calls:
-        config = config_pb2.ConfigProto.FromString(op.get_attr("config_proto"))
-        toggle = config.graph_options.rewrite_options.function_optimization
-        assert rewriter_config_pb2.RewriterConfig.Toggle.Name(toggle) == optimizer
+        rewrite = config_pb2.ConfigProto.FromString(
+            op.get_attr("config_proto")).graph_options.rewrite_options
+        assert rewriter.Toggle.Name(rewrite.function_optimization) == function_optimizer
+        assert rewriter.NumIterationsType.Name(rewrite.meta_optimizer_iterations) == iterations
 
 
 @pytest.mark.parametrize("args_of, flat", [
