@@ -156,6 +156,7 @@ def _train_beside_the_chief(config, callbacks, scratch):
 
 def _train(config, callbacks, resume_from=None):
     with signals.StopRequest() as stop:
+        started = False
         try:
             # Start-up has nothing to save: a signal abandons it at once.
             with stop.interrupting(), contextlib.ExitStack() as held:
@@ -169,13 +170,25 @@ def _train(config, callbacks, resume_from=None):
                 with quiet_start_up():
                     from launch import trainer  # pylint: disable=import-outside-toplevel
                 held = held.pop_all()  # the lock stays held for the run below
+            started = True
             with held:
                 return trainer.train(config, callbacks, stop, before_save=lock.check,
                                      record=record, resume_from=resume_from)
         except signals.Interrupted as err:
-            raise Stopped(f"{err} before the first step: nothing was saved (a checkpoint "
-                          f"already in --model_dir is as it was).",
-                          signals.exit_code(err.signum)) from None
+            raise _stopped_before_first_step(err.signum) from None
+        except Exception:  # pylint: disable=broad-except
+            # An interrupted start-up can come out as another error: a signal
+            # handled inside a C extension's initialisation (TensorFlow's) leaves
+            # it as that module's SystemError or ImportError (exit 1 in CI once).
+            if started or stop.signum is None:
+                raise
+            raise _stopped_before_first_step(stop.signum) from None
+
+
+def _stopped_before_first_step(signum):
+    return Stopped(f"{signals.Interrupted(signum)} before the first step: nothing was saved "
+                   f"(a checkpoint already in --model_dir is as it was).",
+                   signals.exit_code(signum))
 
 
 def _prepare_model_dir(config):
