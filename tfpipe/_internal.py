@@ -152,10 +152,8 @@ def grappler_options(function_optimizer=True):
     (through the eager context's `function_call_options`, not the
     process-wide options).
 
-    One pass: the second shrank the transformer's unrolled ZB-H1 step (M=8,
-    18,282 nodes after the first) by 1.5% and cost 4.6 s of its first call;
-    with one, first calls took 12-24% less, steps unchanged (BUILD.md,
-    "After the stream fix and one grappler pass").
+    One pass: on the transformer benchmark first calls took 12-24% less,
+    steps unchanged (BUILD.md, "After the stream fix and one grappler pass").
     The function optimizer specialises a non-inlined function to each call
     op and optimises each copy again: a stage function called by 2M actions
     was optimised up to 2M times.

@@ -195,8 +195,8 @@ class UnrolledBackend:
                 ops = new[:at] + produced.include_ops + new[at:]
                 # Constants are left out: they run no kernel on the stream, and
                 # grappler's constant folding made a cycle of a Const's control
-                # edge (then TF ran the whole step unoptimised: 11-14% slower
-                # on the transformer, issue 43).
+                # edge (then TF ran the whole step unoptimised: up to 12%
+                # slower on the transformer, BUILD.md).
                 last_op[d] = _internal.chain_ops([op for op in ops if op.type != "Const"],
                                                  last_op[d])
 

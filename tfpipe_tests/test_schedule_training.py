@@ -289,7 +289,7 @@ print("trained")
 def test_a_serialized_step_is_one_grappler_can_optimise(schedule):
     # Chaining a Const made grappler's constant folding build a cycle; TF then
     # logged the failure and ran the whole step unoptimised (the benchmarks'
-    # unrolled transformer rows 11-14% slower). Its log is the only sign.
+    # unrolled transformer rows up to 12% slower). Its log is the only sign.
     done = helpers.run_child(["-c", _SERIALIZED_TRANSFORMER_STEP.format(schedule=schedule)],
                              300, env={"TF_CPP_MIN_LOG_LEVEL": "0"})
     assert done.returncode == 0 and "trained" in done.stdout, done.stderr[-3000:]
