@@ -163,12 +163,9 @@ def main(argv):
     from absl import flags  # pylint: disable=import-outside-toplevel
     f = flags.FLAGS
     info, start = common.begin(argv)
-    defaults = speedup.TRANSFORMER if f.model == "transformer" else speedup.MODEL
-    sizes = {key: (getattr(f, key) if f[key].present else default)
-             for key, default in defaults.items()}
-    sizes.setdefault("heads", speedup.TRANSFORMER["heads"])
+    sizes = speedup.model_sizes(f)
+    sizes.setdefault("heads", speedup.TRANSFORMER["heads"])  # predict takes them for either
     sizes.setdefault("seq_len", speedup.TRANSFORMER["seq_len"])
-    sizes["model"] = f.model
     timing = {"warmup": f.warmup, "repeats": f.repeats, "steps": f.steps}
     rows, summary, planned = run(
         f.devices, f.plan_microbatches, [int(m) for m in f.microbatches], f.schedules,

@@ -229,15 +229,22 @@ def table(rows):
         rows, [("step ms", "step_ms"), ("trace s", "trace_s")])
 
 
+def model_sizes(f):
+    """The `--model` and its sizes, from flags `f` where given, else that
+    model's defaults (`MODEL` or `TRANSFORMER`): `measure`'s model arguments."""
+    sizes = TRANSFORMER if f.model == "transformer" else MODEL
+    model = {key: (getattr(f, key) if f[key].present else default)
+             for key, default in sizes.items()}
+    model["model"] = f.model
+    return model
+
+
 def main(argv):
     from absl import flags  # pylint: disable=import-outside-toplevel
     f = flags.FLAGS
     info, start = common.begin(argv)
     trees = common.parse_trees(f.tree, f.label)
-    sizes = TRANSFORMER if f.model == "transformer" else MODEL
-    model = {key: (getattr(f, key) if f[key].present else default)
-             for key, default in sizes.items()}
-    model["model"] = f.model
+    model = model_sizes(f)
     timing = {"warmup": f.warmup, "repeats": f.repeats, "steps": f.steps}
     rows = run(configs([int(k) for k in f.devices], [int(m) for m in f.microbatches],
                        f.schedules), trees,
