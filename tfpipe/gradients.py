@@ -74,6 +74,20 @@ def merge_rows(grad):
     return tf.IndexedSlices(values, rows, grad.dense_shape)
 
 
+def with_static_dense_shape(grad, variable):
+    """`grad` with its variable's static shape as an IndexedSlices' dense_shape.
+
+    A dense_shape computed inside a stage function's call is opaque to XLA's
+    constant analysis: the optimizer's segment sum, which needs it as a
+    compile-time constant, then makes every input of that call (weights,
+    data) one too, and a step compiled as one XLA program recompiled at every
+    step (3-5 s each on a small transformer, `benchmarks.compile_time`)."""
+    if not isinstance(grad, tf.IndexedSlices) or not variable.shape.is_fully_defined():
+        return grad
+    return tf.IndexedSlices(grad.values, grad.indices,
+                            tf.constant(variable.shape.as_list(), grad.dense_shape.dtype))
+
+
 def scale_gradient(grad, factor):
     if grad is None:
         return None

@@ -249,7 +249,8 @@ class Step(Interpreter):
     def finish(self, store):
         """The `StepResult` of a training step (after every action ran)."""
         plan, table = self.plan, self.table
-        grads = store.gradients()
+        grads = [gradients_lib.with_static_dense_shape(g, v)
+                 for g, v in zip(store.gradients(), table.variables)]
         with plan.stage_scope(self.num_stages - 1):
             numerators, divisors, extras = store.loss_sums()
         final_scale = self.loss_plan.final_scale(divisors)

@@ -30,6 +30,8 @@ TINY = {
     "plan_check": ["--layers=2", "--width=8", "--batch=16", "--microbatches=2",
                    "--schedules=gpipe", "--max_microbatches=4", "--warmup=1", "--repeats=1",
                    "--steps=1"],
+    "compile_time": ["--model=mlp", "--layers=2", "--width=8", "--batch=16",
+                     "--microbatches=2", "--executions=unrolled,loop", "--repeats=1"],
     "noise_floor": ["--sizes=32", "--dtypes=float32", "--executions=loop", "--images=2",
                     "--batch=2"],
 }
@@ -51,6 +53,9 @@ FIELDS = {
     "check_cost": ("| model | M | first fit s |", {"first_fit_s", "writes_s", "call_losses_s",
                                                     "checks_fraction", "choice_s",
                                                     "choice_fraction"}),
+    "compile_time": ("| M | execution | first call s |", {
+        "num_microbatches", "execution", "first_call_s", "first_ratio", "step_ms",
+        "graph_nodes", "plain_first_s", "plain_ms"}),
     "noise_floor": ("| size | images | per batch | dtype |", {"update", "noise", "loop"}),
     "plan_check": ("| M | schedule | recompute | balance |", {
         "num_microbatches", "schedule", "execution", "predicted_ms", "step_ms", "plain_ms",
@@ -77,6 +82,7 @@ def _run(tmp_path, module, *flags, timeout=300):
     pytest.param("check_cost", [], [], marks=pytest.mark.slow),
     pytest.param("noise_floor", [], [], marks=pytest.mark.slow),
     pytest.param("plan_check", [], [], marks=pytest.mark.slow),
+    pytest.param("compile_time", [], [], marks=pytest.mark.slow),
 ])
 def test_a_tiny_run_writes_the_rows_its_table_prints(tmp_path, module, trees, labels):
     if trees:  # another checkout: here a copy of this one's library
@@ -106,6 +112,8 @@ def test_a_tiny_run_writes_the_rows_its_table_prints(tmp_path, module, trees, la
         assert sum(r["recommended"] for r in rows) == 1
         assert (rows[0]["num_microbatches"], rows[0]["schedule"]) == (2, "gpipe")
         assert result["summary"] == plan_check.summarize(rows)
+    if module == "compile_time":  # one XLA program: the loop's graph does not grow with M
+        assert [r["execution"] for r in rows] == ["unrolled", "loop"]
     if module == "speedup_transformer":
         assert rows[0]["recompute_used"] == "never" and rows[0]["trace_ratio"] > 0
     if module == "speedup":
