@@ -30,6 +30,11 @@ class StageDevice:
         """A context manager that places variables and ops on this device."""
         return tf.device(self.name)
 
+    @property
+    def auto_xla(self):
+        """Whether Keras' `jit_compile="auto"` compiles with XLA here (on GPUs)."""
+        return tf.DeviceSpec.from_string(self.name).device_type == "GPU"
+
     def memory(self):
         """(pool, bytes): the memory this device allocates from, named so that
         devices sharing it share a pool, and the bytes TF may use there; None
@@ -72,6 +77,8 @@ class LogicalCore(StageDevice):
     """Logical core `index` (0-based) of every replica of a
     `tf.distribute.TPUStrategy`."""
 
+    auto_xla = False  # the TPU compiles the replica's step itself
+
     def __init__(self, strategy, index):
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
             raise ValueError(f"A logical core index must be an int >= 0, got {index!r}.")
@@ -81,6 +88,13 @@ class LogicalCore(StageDevice):
     def scope(self):
         # Raises a ValueError past the replica's cores.
         return self.strategy.extended.experimental_logical_device(self.index)
+
+    def place_variable(self, variable):
+        """Re-creates `variable` in this core's scope, wherever it was (the
+        TPUStrategy mirrors it over the replicas); returns the R device names
+        that should hold its copies."""
+        _internal.move_variable(variable, self.scope(), named_by_path=True)
+        return self.replica_devices()
 
     def replica_devices(self):
         """The TPU device of this core in each replica (R names)."""

@@ -16,7 +16,6 @@ import tensorflow as tf
 from tfpipe import placement
 from tfpipe import saving
 from tfpipe import strategy as strategy_lib
-from tfpipe import xla
 
 
 class KerasConfig:
@@ -54,11 +53,11 @@ class KerasConfig:
         # Keras skips this for models overriding compile(); ours only adds checks.
         config = keras.saving.deserialize_keras_object(config)
         if config.get("jit_compile") is True:
+            host = self._pipeline_strategy
             chosen = self.pipeline_config.choose_execution(
-                xla.needs_stage_functions(True, self.pipeline_devices, self._on_tpu))
+                host.prefers_stage_functions(True, self.pipeline_devices))
             try:  # XLA was accepted for the saved layout; this one may not take it
-                xla.stage_xla(True, self.pipeline_devices, chosen.traits.stage_functions,
-                              self._on_tpu)
+                host.xla_modes(True, self.pipeline_devices, chosen.traits.stage_functions)
             except ValueError:
                 config["jit_compile"] = False
         self.compile(**config)

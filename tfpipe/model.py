@@ -21,6 +21,7 @@ from tfpipe import cutting
 from tfpipe import engine
 from tfpipe import gradients as gradients_lib
 from tfpipe import graph as graph_lib
+from tfpipe import host as host_lib
 from tfpipe import inputs as inputs_lib
 from tfpipe import keras_config
 from tfpipe import loss as loss_lib
@@ -31,8 +32,6 @@ from tfpipe import replicas
 from tfpipe import saving
 from tfpipe import strategy as strategy_lib
 from tfpipe import summary
-from tfpipe import tpu
-from tfpipe import xla
 
 
 @keras.saving.register_keras_serializable(package="tfpipe")
@@ -71,8 +70,7 @@ class PipelinedModel(keras_config.KerasConfig, _internal.CheckpointAs,
         _internal.keep_input_types(self)
         _internal.set_distribute_strategy(self, strategy.distribute_strategy)
         self._pipeline_strategy = strategy
-        self._on_tpu = isinstance(strategy, tpu.TPUPipelineHost)
-        self._variable_cores = tpu.VariableCores()  # on a TPU
+        self._variable_devices = host_lib.VariableDevices()
         self._trace_options = engine.TraceOptions()
         self._source = source
         self._first_batch = None  # the data's first batch, read when a check needs it
@@ -237,10 +235,8 @@ class PipelinedModel(keras_config.KerasConfig, _internal.CheckpointAs,
             if len(self.replica_pipelines) == 1:
                 columns = list(self.stage_devices)
             homes = placement.place_variables(self.stages, columns)
-            if self._on_tpu:
-                self._variable_cores.set(
-                    (v, self.stage_devices[homes[id(v)]])
-                    for stage in self.stages for v in stage.variables)
+            self._variable_devices.set((v, self.stage_devices[homes[id(v)]])
+                                       for stage in self.stages for v in stage.variables)
             batchnorm.check_layers(self.stages, self.batch_norm,
                                    self._pipeline_strategy.num_replicas)
             self._stage_outputs = outputs
@@ -313,32 +309,27 @@ class PipelinedModel(keras_config.KerasConfig, _internal.CheckpointAs,
             args, kwargs = (), _internal.compile_arguments(source)
             kwargs.pop("jit_compile", None)
             source.compiled = False  # this model trains it: saved without its own compile
+        host = self._pipeline_strategy
         config = self.pipeline_config.choose_execution(
-            xla.needs_stage_functions(jit_compile, self.pipeline_devices, self._on_tpu))
+            host.prefers_stage_functions(jit_compile, self.pipeline_devices))
         if config != self.pipeline_config:
             self._use_config(config)
-        whole, per_stage = xla.stage_xla(jit_compile, self.pipeline_devices,
-                                         self.pipeline_config.traits.stage_functions,
-                                         on_tpu=self._on_tpu)
+        whole, per_stage = host.xla_modes(jit_compile, self.pipeline_devices,
+                                          self.pipeline_config.traits.stage_functions)
         self._jit_request = jit_compile  # saved as asked (get_compile_config), not as resolved
         if per_stage != self._trace_options.stage_xla:
             self.set_trace_options(stage_xla=per_stage)
         with self._strategy_scope():
             super().compile(*args, jit_compile=whole, **kwargs)
         if self.optimizer is not None:
-            _internal.adopt_optimizers(placement.nested_optimizers(self.optimizer),
-                                       self._pipeline_strategy.distribute_strategy)
-            if self._on_tpu:
-                # Keras' optimizer runs in no device scope inside a TPU replica.
-                _internal.place_optimizer_updates(self.optimizer, self._variable_cores.of)
+            host.place_optimizer(self.optimizer, self._variable_devices.of)
         self._build_optimizer()
 
     def check_batch_size(self, x, batch_size, what):
         """Refuses batches of `x` that `tfpipe.inputs.check_batch` refuses."""
-        static_for = None
-        if self._on_tpu:
-            static_for = "a TPUStrategy (one XLA program per replica)"
-        elif self.pipeline_config.traits.in_loop and _internal.jit_compile(self) is True:
+        static_for = self._pipeline_strategy.static_batch_reason
+        if static_for is None and (self.pipeline_config.traits.in_loop
+                                   and _internal.jit_compile(self) is True):
             static_for = "execution='loop' under jit_compile=True"
         inputs_lib.check_batch(x, batch_size, what, self.num_microbatches,
                                self._pipeline_strategy.num_replicas, static_for)
@@ -449,12 +440,11 @@ class PipelinedModel(keras_config.KerasConfig, _internal.CheckpointAs,
         return self.replica_pipelines[replicas.replica_index()]
 
     def _update_metrics(self, batch, y_pred, loss, split, term_values):
-        # Once, on the whole batch's outputs, as full-batch training; on a TPU
-        # next to y_pred, on the last stage's core (else on core 0). With
-        # replicas, `loss` and `term_values` are this replica's shares: the
-        # trackers record the global values weighted by this replica's rows.
-        with (self.pipeline.stage_scope(self.pipeline.num_stages - 1) if self._on_tpu
-              else contextlib.nullcontext()):
+        # Once, on the whole batch's outputs, as full-batch training, where the
+        # host puts metrics. With replicas, `loss` and `term_values` are this
+        # replica's shares: the trackers record the global values weighted by
+        # this replica's rows.
+        with self._pipeline_strategy.metrics_scope(self.pipeline):
             loss, term_values = replicas.sum_over_replicas((loss, list(term_values)))
             _internal.loss_tracker(self).update_state(loss, sample_weight=batch.split.num_rows)
             arranged = split.arrange(batch.y, y_pred, None)[1] if split.terms else None

@@ -12,7 +12,6 @@ import keras
 import tensorflow as tf
 
 from tfpipe import _internal
-from tfpipe import devices as devices_lib
 
 
 def available_devices(device_type=None):
@@ -143,12 +142,12 @@ def place_variables(stages, stage_devices):
                 continue
             homes[id(v)] = k
             wanted = device
-            if isinstance(device, devices_lib.LogicalCore):
-                # A TPU core's variable is mirrored over the replicas by the
-                # TPUStrategy: re-created in the core's scope, wherever it was.
-                _internal.move_variable(v, device.scope(), named_by_path=True)
-                wanted = _tpu_copies_to_check(device)
-                if wanted is None:
+            place = getattr(device, "place_variable", None)
+            if place is not None:  # a device kind that places its own (a TPU core)
+                wanted = place(v)
+                if not all(_listed(name) for name in wanted):
+                    # This process does not have those devices (a strategy that only
+                    # traces: tfpipe.testing.tpu_strategy); its variables fall back.
                     continue
             elif misplaced_variables([v], device):
                 first = device[0] if isinstance(device, (list, tuple)) else device
@@ -159,15 +158,9 @@ def place_variables(stages, stage_devices):
     return homes
 
 
-def _tpu_copies_to_check(core):
-    """The R TPU devices holding `core`'s copies of a variable, or None where
-    this process has no such TPU devices (a strategy that only traces:
-    `tfpipe.testing.tpu_strategy`), whose variables fall back to CPU:0."""
-    names = core.replica_devices()
-    known = available_devices("TPU")
-    if all(any(same_device(name, have) for have in known) for name in names):
-        return names
-    return None
+def _listed(name):
+    """Whether this process lists the device `name`."""
+    return any(same_device(name, have) for have in available_devices())
 
 
 def nested_optimizers(optimizer):

@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tfpipe import _internal_distribute
 from tfpipe import config as config_lib
+from tfpipe import host
 from tfpipe import placement
 from tfpipe import schedules
 from tfpipe import tpu
@@ -16,7 +17,7 @@ _STRATEGIES_MADE = itertools.count()
 _COLLECTIVE_KEY_STRIDE = 100_000  # group keys one strategy may use
 
 
-class PipelineStrategy(tf.distribute.Strategy):
+class PipelineStrategy(host.PipelineHost, tf.distribute.Strategy):
     """R data-parallel replicas of one pipeline (R = 1 by default) whose
     stages live on `devices`.
 
@@ -127,49 +128,18 @@ class PipelineStrategy(tf.distribute.Strategy):
         """R, the data-parallel replicas of all processes (`num_replicas_in_sync`)."""
         return self.num_replicas_in_sync
 
-    @property
-    def num_stages(self):
-        """The most stages this strategy can place with its default schedule
-        (v per device; v = 1 but for `Interleaved`)."""
-        return self.max_stages(self._config.schedule)
+    def _stage_slots(self, replica):
+        return self._grid[replica]
 
-    def max_stages(self, schedule):
-        """The most stages `schedule` can place on this strategy's devices."""
-        return schedules.max_stages(schedule, len(self._devices))
-
-    def pipeline_devices(self, num_stages, schedule=None, replica=0):
-        """(devices, stage_devices) for a model of `num_stages` stages: the D
-        devices replica `replica`'s pipeline uses (the first D of its grid
-        row) and the one holding each stage. `schedule` defaults to the
-        strategy's. Raises ValueError if it cannot place them here."""
-        schedule = self._config.schedule if schedule is None else schedules.get(schedule)
-        placed = schedules.stage_devices(schedule, num_stages, self._grid[replica])
-        if placed is None:
-            most = self.max_stages(schedule)
-            count = schedules.devices_needed(schedule, num_stages)
-            raise ValueError(
-                f"{num_stages} stages but the strategy has only {most} stage slots on "
-                f"{len(self._devices)} devices ({list(self._devices)}); use at most {most} stages, "
-                f"or more devices (e.g. tfpipe.testing.use_logical_cpus({count}) on CPU).")
-        return placed
-
-    @property
-    def config(self):
-        """The default `PipelineConfig` of models made in this scope."""
-        return self._config
-
-    @property
-    def given_settings(self):
-        """The settings this strategy was given explicitly (a dict)."""
-        return dict(self._given)
+    def _too_many_stages(self, num_stages, most, count):
+        return (f"{num_stages} stages but the strategy has only {most} stage slots on "
+                f"{len(self._devices)} devices ({list(self._devices)}); use at most {most} "
+                f"stages, or more devices (e.g. tfpipe.testing.use_logical_cpus({count}) on "
+                f"CPU).")
 
     @property
     def num_microbatches(self):
         return self._config.num_microbatches
-
-    @property
-    def schedule(self):
-        return self._config.schedule
 
     @property
     def recompute(self):

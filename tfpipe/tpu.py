@@ -22,7 +22,7 @@ import tensorflow as tf
 from tfpipe import _internal
 from tfpipe import config as config_lib
 from tfpipe import devices as devices_lib
-from tfpipe import schedules
+from tfpipe import host
 
 
 class StageCore(typing.NamedTuple):
@@ -92,12 +92,18 @@ def is_tpu_strategy(strategy):
     return isinstance(strategy, kinds)
 
 
-class TPUPipelineHost:
+class TPUPipelineHost(host.PipelineHost):
     """What a `PipelinedModel` asks of its strategy, for a `TPUStrategy`:
     the stage slots (K logical cores per replica), the stage devices
     (`LogicalCore`s), the replicas R, and the default settings (tfpipe's:
     a TPUStrategy takes no pipeline settings; give them to the model).
-    Get it with `host_of(strategy)`; one per strategy."""
+    Its policies: the TPU compiles each replica's step as one XLA program, so
+    batches have one static size and `jit_compile=True` is refused; optimizer
+    updates and metrics are placed on cores explicitly, since Keras runs them
+    in no device scope inside a replica. Get it with `host_of(strategy)`; one
+    per strategy."""
+
+    static_batch_reason = "a TPUStrategy (one XLA program per replica)"
 
     def __init__(self, strategy):
         if _internal.tpu_uses_spmd(strategy):
@@ -108,20 +114,7 @@ class TPUPipelineHost:
         self.distribute_strategy = strategy
         self.cores_per_replica = len(_internal.tpu_core_devices(strategy)[0])
         self._config = config_lib.PipelineConfig.make()
-
-    @property
-    def config(self):
-        """The default `PipelineConfig` (tfpipe's defaults)."""
-        return self._config
-
-    @property
-    def schedule(self):
-        return self._config.schedule
-
-    @property
-    def given_settings(self):
-        """Settings given to the strategy: none (a TPUStrategy takes none)."""
-        return {}
+        self._given = {}  # a TPUStrategy takes no pipeline settings
 
     @property
     def num_replicas(self):
@@ -134,34 +127,42 @@ class TPUPipelineHost:
         return (tuple(devices_lib.LogicalCore(self.distribute_strategy, k)
                       for k in range(self.cores_per_replica)),)
 
-    @property
-    def num_stages(self):
-        return self.max_stages(self._config.schedule)
-
-    def max_stages(self, schedule):
-        """The most stages `schedule` can place on one replica's cores."""
-        return schedules.max_stages(schedule, self.cores_per_replica)
-
-    def pipeline_devices(self, num_stages, schedule=None, replica=0):
-        """(cores, stage_cores) for a model of `num_stages` stages, as
-        `PipelineStrategy.pipeline_devices`; raises ValueError if a replica's
-        K cores cannot hold them."""
+    def _stage_slots(self, replica):
         del replica  # every replica runs on its own cores 0..K-1
-        schedule = self._config.schedule if schedule is None else schedules.get(schedule)
-        placed = schedules.stage_devices(schedule, num_stages, self.device_grid[0])
-        if placed is None:
-            most = self.max_stages(schedule)
-            count = schedules.devices_needed(schedule, num_stages)
-            raise ValueError(
-                f"{num_stages} stages but the TPUStrategy gives each replica "
+        return self.device_grid[0]
+
+    def _too_many_stages(self, num_stages, most, count):
+        return (f"{num_stages} stages but the TPUStrategy gives each replica "
                 f"{self.cores_per_replica} core(s), so at most {most} stages fit; cut the "
                 f"model into at most {most} stages (balance=...), or make the TPUStrategy "
                 f"with a DeviceAssignment of {count} cores per replica "
                 f"(computation_shape whose product is {count}).")
-        return placed
 
     def scope(self):
         return self.distribute_strategy.scope()
+
+    def xla_modes(self, jit_compile, pipeline_devices, stage_functions):
+        """The TPU compiles each replica's whole step itself: `True` is
+        refused, the rest mean no XLA of tfpipe's own."""
+        if jit_compile is True:
+            raise ValueError(
+                "PipelinedModel.compile(jit_compile=True) under a TPUStrategy: the TPU already "
+                "compiles each replica's whole step as one XLA program. Leave jit_compile "
+                "unset (\"auto\") or pass False.")
+        return False, False
+
+    def prefers_stage_functions(self, jit_compile, pipeline_devices):
+        return False
+
+    def place_optimizer(self, optimizer, device_of):
+        # Keras' optimizer runs in no device scope inside a TPU replica.
+        super().place_optimizer(optimizer, device_of)
+        _internal.place_optimizer_updates(optimizer, device_of)
+
+    def metrics_scope(self, pipeline):
+        """Next to y_pred, on the last stage's core (else Keras would update
+        them on core 0)."""
+        return pipeline.stage_scope(pipeline.num_stages - 1)
 
     def __repr__(self):
         return (f"TPUPipelineHost({self.num_replicas} replica(s) x {self.cores_per_replica} "
@@ -176,20 +177,3 @@ def host_of(strategy):
     if strategy not in _HOSTS:
         _HOSTS[strategy] = TPUPipelineHost(strategy)
     return _HOSTS[strategy]
-
-
-class VariableCores:
-    """On a TPU, the `LogicalCore` of each stage variable's home stage, keyed
-    by its TF variable (`keras.Variable.value`, what Keras' optimizer works
-    on); held out of Keras' tracking, updated in place at each build."""
-
-    def __init__(self):
-        self._by_id = {}
-
-    def set(self, pairs):
-        """`pairs`: (keras.Variable, LogicalCore) for every stage variable."""
-        self._by_id = {id(variable.value): core for variable, core in pairs}
-
-    def of(self, variable):
-        """The core of a TF `variable`, or None (an optimizer's own variable)."""
-        return self._by_id.get(id(variable))

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import _internal
+from tfpipe import devices as devices_lib
 
 
 def in_xla_program():
@@ -21,39 +22,32 @@ def in_xla_program():
     return _internal.in_xla_context()
 
 
-def needs_stage_functions(jit_compile, pipeline_devices, on_tpu=False):
+def needs_stage_functions(jit_compile, pipeline_devices):
     """Whether `compile(jit_compile=...)` compiles each stage as its own XLA
     program, which needs execution="stage_functions": `True` on several
-    devices (not a TPU, which compiles the step itself)."""
-    return jit_compile is True and not on_tpu and len(set(pipeline_devices)) > 1
+    devices."""
+    return jit_compile is True and len(set(pipeline_devices)) > 1
 
 
-def stage_xla(jit_compile, pipeline_devices, stage_functions, on_tpu=False):
-    """How `PipelinedModel.compile(jit_compile=...)` uses XLA: (whole step as
-    one program, each stage function as its own program on its device).
+def stage_xla(jit_compile, pipeline_devices, stage_functions):
+    """How `PipelinedModel.compile(jit_compile=...)` uses XLA on devices
+    tfpipe places ops on by name: (whole step as one program, each stage
+    function as its own program on its device). (A TPU's host compiles
+    differently: `tfpipe.tpu.TPUPipelineHost.xla_modes`.)
 
-    Under a TPUStrategy (`on_tpu`) the TPU compiles each replica's step
-    itself: `True` is refused, the rest mean no XLA of our own. One device:
-    `True` compiles the whole step, as Keras does. Several devices: one
-    program would pull every stage onto one
-    device, so `True` compiles each stage's forward and backward separately,
-    which needs execution="stage_functions" (else a ValueError); Keras'
-    `"auto"` does the same when every device is a GPU (Keras' own "auto"
-    means XLA on GPUs), and nothing elsewhere.
+    One device: `True` compiles the whole step, as Keras does. Several
+    devices: one program would pull every stage onto one device, so `True`
+    compiles each stage's forward and backward separately, which needs
+    execution="stage_functions" (else a ValueError); Keras' `"auto"` does the
+    same when every device is of a kind Keras' "auto" compiles on (a GPU:
+    `StageDevice.auto_xla`), and nothing elsewhere.
     """
-    if on_tpu:
-        if jit_compile is True:
-            raise ValueError(
-                "PipelinedModel.compile(jit_compile=True) under a TPUStrategy: the TPU already "
-                "compiles each replica's whole step as one XLA program. Leave jit_compile "
-                "unset (\"auto\") or pass False.")
-        return False, False
     devices = list(dict.fromkeys(pipeline_devices))
     if len(devices) <= 1:
         return jit_compile is True, False
     if jit_compile == "auto":
-        on_gpus = all("GPU" in str(d).upper() for d in devices)
-        return False, bool(on_gpus and stage_functions)
+        auto = all(devices_lib.as_stage_device(d).auto_xla for d in devices)
+        return False, bool(auto and stage_functions)
     if jit_compile is not True:
         return False, False
     if not stage_functions:

@@ -113,6 +113,57 @@ def test_no_module_compares_an_execution_by_name():
     assert not found, found
 
 
+# The device-kind classes, and the one factory that picks a host for the
+# strategy in scope (`strategy.current_pipeline_host`).
+DEVICE_KIND_MODULES = ("tfpipe.host", "tfpipe.tpu", "tfpipe.devices", "tfpipe.strategy")
+KIND_NAMES = {"LogicalCore", "TPUPipelineHost", "PipelineStrategy", "LocalGPU", "LocalCPU",
+              "TPUStrategy", "is_tpu_strategy"}
+
+
+def _kind_tests(source):
+    """(line, what) for each test of a device's or host's kind in `source`:
+    an isinstance/type check against a kind class, a call of
+    `is_tpu_strategy`, `"GPU"`/`"TPU"` in a name, or an `_on_tpu` flag."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name == "is_tpu_strategy":
+                found.append((node.lineno, name))
+            if name == "isinstance" and len(node.args) == 2:
+                kinds = ast.unparse(node.args[1])
+                if any(k in kinds for k in KIND_NAMES):
+                    found.append((node.lineno, f"isinstance(..., {kinds})"))
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn))
+                                                   for op in node.ops):
+            if isinstance(node.left, ast.Constant) and node.left.value in ("GPU", "TPU"):
+                found.append((node.lineno, f"{node.left.value!r} in"))
+        elif isinstance(node, (ast.Attribute, ast.Name)):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id
+            if name in ("_on_tpu", "on_tpu"):
+                found.append((node.lineno, name))
+    return found
+
+
+def test_only_the_host_and_device_classes_test_the_device_kind():
+    """A new kind of device is one class (`tfpipe.host`): the model, the step
+    and the placement ask a host or a device, never which kind it is."""
+    found = [f"{path.name}:{line} {what}" for name, path in _modules().items()
+             if name not in DEVICE_KIND_MODULES for line, what in _kind_tests(path.read_text())]
+    assert not found, found
+
+
+@pytest.mark.parametrize("source", [
+    "if self._on_tpu:\n    pass",
+    "on_gpus = all('GPU' in str(d).upper() for d in devices)",
+    "x = isinstance(device, devices_lib.LogicalCore)",
+    "y = tpu.is_tpu_strategy(strategy)",
+])
+def test_the_device_kind_test_finds_a_planted_branch(source):
+    assert _kind_tests(source)
+
+
 def test_no_library_file_is_over_600_lines():
     long = {p.name: n for p in LIBRARY.glob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}

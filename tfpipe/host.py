@@ -1,0 +1,114 @@
+"""What a `PipelinedModel` asks of the devices it runs on: `PipelineHost`.
+
+A host owns the stage slots (the devices, or a TPU replica's cores), the
+pipeline settings of models made in its scope, and every policy that
+differs by the kind of device: how `compile(jit_compile=...)` uses XLA,
+whether batches need one static size, where optimizer updates run, and where
+metrics are updated. `tfpipe.PipelineStrategy` (CPUs, GPUs, remote tasks'
+devices) and `tfpipe.tpu.TPUPipelineHost` (a `TPUStrategy`'s cores) are its
+kinds; the model and the step never test which one they have, so a new kind
+of device is one subclass.
+"""
+
+import contextlib
+
+from tfpipe import _internal
+from tfpipe import placement
+from tfpipe import schedules
+from tfpipe import xla
+
+
+class PipelineHost:
+    """The base of every host. A subclass sets `_config` (the default
+    `tfpipe.config.PipelineConfig`) and `_given` (the settings given
+    explicitly, a dict), and defines `distribute_strategy`, `scope()`,
+    `num_replicas`, `_stage_slots(replica)` (the row of devices that replica
+    places stages on) and `_too_many_stages(num_stages, most, count)` (the
+    ValueError's text)."""
+
+    # -- the stage slots and settings --------------------------------------------
+
+    @property
+    def config(self):
+        """The default `PipelineConfig` of models made in this scope."""
+        return self._config
+
+    @property
+    def given_settings(self):
+        """The settings this host was given explicitly (a dict)."""
+        return dict(self._given)
+
+    @property
+    def schedule(self):
+        return self._config.schedule
+
+    @property
+    def num_stages(self):
+        """The most stages this host can place with its default schedule
+        (v per device; v = 1 but for `Interleaved`)."""
+        return self.max_stages(self._config.schedule)
+
+    def max_stages(self, schedule):
+        """The most stages `schedule` can place on one replica's slots."""
+        return schedules.max_stages(schedule, len(self._stage_slots(0)))
+
+    def pipeline_devices(self, num_stages, schedule=None, replica=0):
+        """(devices, stage_devices) for a model of `num_stages` stages: the D
+        slots replica `replica`'s pipeline uses and the one holding each
+        stage. `schedule` defaults to the host's. Raises ValueError if it
+        cannot place them here."""
+        schedule = self._config.schedule if schedule is None else schedules.get(schedule)
+        placed = schedules.stage_devices(schedule, num_stages, self._stage_slots(replica))
+        if placed is None:
+            raise ValueError(self._too_many_stages(
+                num_stages, self.max_stages(schedule),
+                schedules.devices_needed(schedule, num_stages)))
+        return placed
+
+    # -- the policies that differ by device kind --------------------------------------
+
+    # Why every batch must have one static size (a sentence), or None.
+    static_batch_reason = None
+
+    def xla_modes(self, jit_compile, pipeline_devices, stage_functions):
+        """(whole step as one XLA program, each stage function as its own) for
+        `compile(jit_compile=...)` (`tfpipe.xla.stage_xla`)."""
+        return xla.stage_xla(jit_compile, pipeline_devices, stage_functions)
+
+    def prefers_stage_functions(self, jit_compile, pipeline_devices):
+        """Whether an execution tfpipe chooses must be "stage_functions"
+        under `compile(jit_compile=...)`."""
+        return xla.needs_stage_functions(jit_compile, pipeline_devices)
+
+    def place_optimizer(self, optimizer, device_of):
+        """Makes `optimizer` (and the optimizers it wraps) put its slots and
+        updates next to their variables: through this host's strategy, which
+        honours `colocate_with`. `device_of(tf_variable)`: the variable's
+        stage device, or None."""
+        del device_of  # the strategy places by colocation
+        _internal.adopt_optimizers(placement.nested_optimizers(optimizer),
+                                   self.distribute_strategy)
+
+    def metrics_scope(self, pipeline):
+        """Where a step updates its loss tracker and metrics: as plain Keras
+        does, in no device scope."""
+        del pipeline
+        return contextlib.nullcontext()
+
+
+class VariableDevices:
+    """The stage device of each stage variable's home stage, keyed by its TF
+    variable (`keras.Variable.value`, what Keras' optimizer works on): the
+    `device_of` a host's `place_optimizer` is given. Held out of Keras'
+    tracking, updated in place at each build."""
+
+    def __init__(self):
+        self._by_id = {}
+
+    def set(self, pairs):
+        """`pairs`: (keras.Variable, stage device) for every stage variable."""
+        self._by_id = {id(variable.value): device for variable, device in pairs}
+
+    def of(self, variable):
+        """The device of a TF `variable`, or None (an optimizer's own variable)."""
+        return self._by_id.get(id(variable))
