@@ -29,6 +29,7 @@ import re
 
 from launch import data as data_lib
 from launch import outputs
+from tfpipe import actions
 from tfpipe import config as tfpipe_config
 from tfpipe import schedules
 
@@ -112,7 +113,7 @@ MODEL_DATA = {
     "transformer": ("text", "pydoc_topics"),
     "unet": ("segmentation", "digits_masks"),
 }
-RECOMPUTE_MODES = ("auto",) + schedules.RECOMPUTE_MODES  # auto: tfpipe's default
+RECOMPUTE_MODES = ("auto",) + actions.RECOMPUTE_MODES  # auto: tfpipe's default
 EXECUTIONS = ("auto",) + tuple(tfpipe_config.EXECUTIONS)  # auto: tfpipe's choice
 
 
@@ -122,7 +123,7 @@ MAX_BATCH = 2**31 - 1  # rows of a batch: TensorFlow's int32 shapes
 
 
 # How tfpipe's own checks name the settings in their messages: as our flags.
-FLAGS = schedules.Spelling(flags={"num_stages": "stages", "num_microbatches": "microbatches"},
+FLAGS = actions.Spelling(flags={"num_stages": "stages", "num_microbatches": "microbatches"},
                            unset="auto")
 
 

@@ -14,6 +14,7 @@ rules before TensorFlow starts.
 
 import dataclasses
 
+from tfpipe import actions
 from tfpipe import schedules
 
 FIELDS = ("num_microbatches", "schedule", "recompute", "execution", "batch_norm",
@@ -47,10 +48,10 @@ class Execution:
 
 
 EXECUTIONS = {e.name: e for e in (
-    Execution("unrolled", schedules.RECOMPUTE_MODES, "except_last", stage_functions=False,
+    Execution("unrolled", actions.RECOMPUTE_MODES, "except_last", stage_functions=False,
               holds_weight_gradients=True, holds_ops_in_graph=True, in_loop=False,
               description="every action traced; all recompute modes"),
-    Execution("stage_functions", schedules.RECOMPUTE_MODES, "except_last",
+    Execution("stage_functions", actions.RECOMPUTE_MODES, "except_last",
               stage_functions=True, holds_weight_gradients=False, holds_ops_in_graph=False,
               in_loop=False, description="every action called, each stage traced once as "
                                          "a tf.function; all recompute modes"),
@@ -77,14 +78,14 @@ def execution(name):
     return EXECUTIONS[name]
 
 
-def resolve_recompute(mode, execution_name, spell=schedules.ARGUMENTS):
+def resolve_recompute(mode, execution_name, spell=actions.ARGUMENTS):
     """The recompute mode to use: `mode`, or the execution's default; raises
     if the execution cannot run `mode` (the loop only runs "always"). `spell`
-    names the settings in the error (`tfpipe.schedules.Spelling`)."""
+    names the settings in the error (`actions.Spelling`)."""
     traits = execution(execution_name)
     if mode is None:
         return traits.default_recompute
-    mode = schedules.validate_recompute(mode)
+    mode = actions.validate_recompute(mode)
     if mode not in traits.recompute_modes:
         need = traits.recompute_modes[0]
         raise ValueError(

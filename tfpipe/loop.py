@@ -16,6 +16,7 @@ from tfpipe import boundary
 from tfpipe import gradients as gradients_lib
 from tfpipe import loss as loss_lib
 from tfpipe import runtime
+from tfpipe import actions
 from tfpipe import schedules
 from tfpipe import stage as stage_lib
 from tfpipe import xla
@@ -354,7 +355,7 @@ class LoopBackend:
                 # assignments included) waits for the device's previous action.
                 with tf.control_dependencies([st["token"][d]]):
                     store.start = _internal.unordered_timestamp() if timed else None
-                    step.run(store, d, schedules.Action(kind, k, m))
+                    step.run(store, d, actions.Action(kind, k, m))
                 with tf.control_dependencies(graph.get_operations()[first_op:]):
                     store.st["token"][d] = tf.identity(st["token"][d])
                     if timed:

@@ -19,6 +19,7 @@ from tfpipe import partition
 from tfpipe import placement
 from tfpipe import prediction
 from tfpipe import recompute_choice
+from tfpipe import actions
 from tfpipe import schedules
 
 RECOMMEND_SCHEDULES = ("gpipe", "1f1b", "zbh1", "interleaved", "zbv")
@@ -235,7 +236,7 @@ def plan(model, batch_size, num_microbatches, num_stages=None, devices=None, sch
     if recompute is None and config is not None and not config.recompute_pending:
         recompute, reason = config.recompute, config.recompute_reason  # given, or chosen
     if recompute is not None:
-        recompute = schedules.validate_recompute(recompute)
+        recompute = actions.validate_recompute(recompute)
     if devices is None:
         devices = (list(pipelined.pipeline_devices) if pipelined is not None
                    else placement.default_devices())
@@ -331,7 +332,7 @@ def _recommend(chosen, evaluate, units, batch_size, d_count, n_units, max_microb
             if k == len(chosen.balance) and chosen.balance not in balances:
                 balances.append(chosen.balance)
             for balance in balances:
-                for mode in schedules.RECOMPUTE_MODES:
+                for mode in actions.RECOMPUTE_MODES:
                     options.append(evaluate(m, schedule, mode, balance))
 
     def key(o):

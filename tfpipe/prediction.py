@@ -14,6 +14,7 @@ import keras
 
 from tfpipe import cutting
 from tfpipe import graph as graph_lib
+from tfpipe import actions
 from tfpipe import schedules
 
 # Optimizer state per trainable parameter, in units of the parameter's bytes.
@@ -174,7 +175,7 @@ def _activation_peaks(sim, info, mode, m_count, k_count):
         live, kept = {}, {}
         for action, start, end in row:
             s, m = action.stage, action.microbatch
-            rec = schedules.is_recomputed(mode, m, m_count)
+            rec = actions.is_recomputed(mode, m, m_count)
             extra = freed = 0.0
             if action.kind == "F":
                 kept[s, m] = info[s]["input"] if rec else info[s]["stash"]

@@ -15,7 +15,7 @@ from tfpipe import batchnorm
 from tfpipe import boundary
 from tfpipe import gradients as gradients_lib
 from tfpipe import loss as loss_lib
-from tfpipe import schedules
+from tfpipe import actions
 from tfpipe import stage as stage_lib
 
 float_leaves = boundary.float_leaves
@@ -192,7 +192,7 @@ class Step(Interpreter):
         m = self.num_microbatches
         assumptions.check_writes(
             [i.writes for i in self.interfaces], m, plan.recompute,
-            replays=backward_step and any(schedules.is_recomputed(plan.recompute, j, m)
+            replays=backward_step and any(actions.is_recomputed(plan.recompute, j, m)
                                           for j in range(m)))
         if (batch.sample is not None and plan.call_losses == "checked" and m > 1
                 and any(i.call_losses for i in self.interfaces)):

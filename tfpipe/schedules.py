@@ -18,11 +18,7 @@ not a new engine. `simulate` and co. take schedule names too.
 import re
 
 from tfpipe import simulation
-from tfpipe.actions import (ARGUMENTS, KINDS, RECOMPUTE_MODES, Action, ActionKind,  # noqa: F401
-                            Schedule, Spelling,
-                            check_counts, input_gradient_action, is_recomputed,
-                            merge_split_backward, validate_recompute)
-from tfpipe.simulation import Simulation, tick_makespan  # noqa: F401
+from tfpipe.actions import ARGUMENTS, KINDS, Action, Schedule, Spelling, check_counts
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 
@@ -457,25 +453,6 @@ def from_config(config):
     if config["class"] == "Segmented":
         arguments["schedule"] = from_config(arguments["schedule"])
     return classes[config["class"]](**arguments)
-
-
-def clock_cycles(num_microbatches, num_stages):
-    """GPipe's forward fill as ticks: at tick t stage k runs micro-batch t - k.
-
-    Returns M + K - 1 ticks, each a list of (micro_batch, stage) pairs.
-
-    >>> clock_cycles(3, 2)
-    [[(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1)], [(2, 1)]]
-    """
-    check_counts(num_microbatches, num_stages)
-    return [
-        [(t - k, k) for k in range(num_stages) if 0 <= t - k < num_microbatches]
-        for t in range(num_microbatches + num_stages - 1)]
-
-
-def bubble_fraction(num_microbatches, num_stages):
-    """GPipe's idle fraction with equal stages: (K - 1) / (M + K - 1)."""
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
 def simulate(schedule, num_microbatches, num_devices, forward_cost=1.0, backward_cost=2.0,

@@ -17,7 +17,7 @@ import tensorflow as tf
 from tfpipe import _internal
 from tfpipe import batchnorm
 from tfpipe import boundary
-from tfpipe import schedules
+from tfpipe import actions
 from tfpipe import xla
 
 float_leaves = boundary.float_leaves
@@ -140,7 +140,7 @@ class Stage:
         kept, moments = None, []
         if self.shared.split is None:
             out, extra, parts, _ = self.run(m, packed)
-        elif schedules.is_recomputed(self.shared.recompute, m,
+        elif actions.is_recomputed(self.shared.recompute, m,
                                      self.shared.batch.num_microbatches):
             kept = Replay(packed, self.state.snapshot_seeds())
             out, extra, parts, moments = self.run(m, packed, record=True)

@@ -8,6 +8,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from tfpipe import actions
 from tfpipe import schedules
 
 
@@ -91,5 +92,5 @@ class StepPlan:
         traits = self.traits
         if not traits.holds_weight_gradients or (traits.holds_ops_in_graph
                                                  and tf.executing_eagerly()):
-            return schedules.merge_split_backward(order)
+            return actions.merge_split_backward(order)
         return order

@@ -18,6 +18,7 @@ import os
 import keras
 import tensorflow as tf
 
+from tfpipe import actions
 from tfpipe import schedules
 
 # What each figure means, in the words the chart, the Chrome trace and
@@ -42,7 +43,7 @@ _DPI = 110
 
 @dataclasses.dataclass
 class Event:
-    """One action: `kind` ("F", "B", "I" or "W", `schedules.KINDS`) of
+    """One action: `kind` ("F", "B", "I" or "W", `actions.KINDS`) of
     `stage` on `microbatch`, on `device`."""
 
     device: int
@@ -124,7 +125,7 @@ class Timeline:
                  for d, name in enumerate(self.devices)]
         for e in self.events:
             trace.append({
-                "name": e.name, "cat": schedules.KINDS[e.kind].description,
+                "name": e.name, "cat": actions.KINDS[e.kind].description,
                 "ph": "X", "pid": 0, "tid": e.device,
                 "ts": e.start_ms * 1e3, "dur": max(e.end_ms - e.start_ms, 0.0) * 1e3,
                 "args": {"stage": e.stage, "microbatch": e.microbatch},
@@ -186,7 +187,7 @@ class Timeline:
         kinds = sorted({e.kind for e in self.events}, key="FBIW".index)
         axes_height = height * ax.get_position().height  # inches
         ax.legend(handles=[patches.Patch(facecolor=_COLOURS[k],
-                                         label=f"{k}: {schedules.KINDS[k].description}")
+                                         label=f"{k}: {actions.KINDS[k].description}")
                            for k in kinds],
                   loc="upper center", bbox_to_anchor=(0.5, -axis / axes_height),
                   ncol=len(kinds), fontsize=8, frameon=False)

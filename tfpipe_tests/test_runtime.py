@@ -13,6 +13,7 @@ import math
 import pytest
 
 from tfpipe import runtime
+from tfpipe import actions
 from tfpipe import schedules
 
 
@@ -130,7 +131,7 @@ def _walk(schedule, m_count, d_count, holds_ops, merge=False):
     store = FakeStore(inputs, k_count)
     order = schedules.validate(schedule, m_count, d_count)
     if merge:
-        order = schedules.merge_split_backward(order)
+        order = actions.merge_split_backward(order)
     for d, action in order:
         interpreter.run(store, d, action)
     return store, calls, _expected_gradients(weights, inputs)
@@ -163,9 +164,9 @@ def test_a_split_backward_runs_as_the_execution_can(holds_ops, merge, kinds):
 
 def test_merging_puts_b_where_i_was_and_drops_w():
     order = schedules.validate("zbh1", 3, 2)
-    merged = schedules.merge_split_backward(order)
+    merged = actions.merge_split_backward(order)
     assert [a for _, a in merged if a.kind in "IW"] == []
-    expect = [(d, schedules.Action("B", a.stage, a.microbatch) if a.kind == "I" else a)
+    expect = [(d, actions.Action("B", a.stage, a.microbatch) if a.kind == "I" else a)
               for d, a in order if a.kind != "W"]
     assert merged == expect
     schedules.simulation.validate(schedules.Table(

@@ -2,8 +2,10 @@
 
 import pytest
 
+from tfpipe import actions
 from tfpipe import schedules
-from tfpipe.schedules import Action
+from tfpipe import simulation
+from tfpipe.actions import Action
 
 GRID = [(1, 1), (1, 4), (4, 4), (8, 2), (5, 3), (16, 4), (3, 8)]
 
@@ -12,11 +14,6 @@ def _all_schedules(m, d):
     out = [schedules.GPipe(), schedules.OneFOneB()]
     out += [schedules.Interleaved(v) for v in (2, 3) if m % d == 0]
     return out
-
-
-def test_clock_cycles_small_table():
-    assert schedules.clock_cycles(3, 2) == [
-        [(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1)], [(2, 1)]]
 
 
 @pytest.mark.parametrize("m, d", GRID)
@@ -54,7 +51,6 @@ def test_known_tables():
 def test_gpipe_and_1f1b_bubble_is_k_minus_1_over_m_plus_k_minus_1(schedule, m, d):
     sim = schedules.simulate(schedule, m, d, forward_cost=1.0, backward_cost=2.0)
     assert sim.bubble_fraction == pytest.approx((d - 1) / (m + d - 1))
-    assert sim.bubble_fraction == pytest.approx(schedules.bubble_fraction(m, d))
     assert sim.makespan == pytest.approx(3.0 * (m + d - 1))
 
 
@@ -196,8 +192,8 @@ def test_unreadable_action_lists_all_four_kinds():
 @pytest.mark.parametrize("kind, memory, cost", [
     ("F", 1, "forward"), ("B", -1, "backward"), ("I", 0, "input"), ("W", -1, "weight")])
 def test_kinds_table(kind, memory, cost):
-    assert schedules.KINDS[kind].memory == memory
-    assert schedules.KINDS[kind].cost == cost
+    assert actions.KINDS[kind].memory == memory
+    assert actions.KINDS[kind].cost == cost
 
 
 @pytest.mark.parametrize("action, table, deps", [
@@ -211,7 +207,7 @@ def test_kinds_table(kind, memory, cost):
 ])
 def test_kind_dependencies(action, table, deps):
     a = Action.parse(action)
-    assert [str(x) for x in schedules.KINDS[a.kind].dependencies(a, 3, table)] == deps
+    assert [str(x) for x in actions.KINDS[a.kind].dependencies(a, 3, table)] == deps
 
 
 @pytest.mark.parametrize("d, m", ZB_GRID)
@@ -366,8 +362,8 @@ def test_mixed_b_and_split_table_runs():
     table = schedules.Table([["F0.0", "B0.0"], ["F1.0", "I1.0", "W1.0"]])
     order = [str(a) for _, a in schedules.validate(table, 1, 2)]
     assert order.index("I1.0") < order.index("B0.0")
-    assert schedules.input_gradient_action({Action("I", 1, 0)}, 1, 0) == Action("I", 1, 0)
-    assert schedules.input_gradient_action((), 1, 0) == Action("B", 1, 0)
+    assert actions.input_gradient_action({Action("I", 1, 0)}, 1, 0) == Action("I", 1, 0)
+    assert actions.input_gradient_action((), 1, 0) == Action("B", 1, 0)
 
 
 def _check_ticks(ticks, schedule, m, d, forward_only=False):
@@ -378,7 +374,7 @@ def _check_ticks(ticks, schedule, m, d, forward_only=False):
     assert [[a for tick in ticks for a in tick[dev:dev + 1] if a is not None]
             for dev in range(d)] == rows
     for a, t in at.items():
-        for dep in schedules.KINDS[a.kind].dependencies(a, k, at):
+        for dep in actions.KINDS[a.kind].dependencies(a, k, at):
             assert at[dep] < t, (a, dep)
 
 
@@ -407,7 +403,7 @@ def test_clock_ticks_from_costs_follow_the_simulation(schedule, m, d, costs):
 def test_event_order_beats_lock_step_1f1b_58_vs_44():
     # The numbers: 1F1B, F=1, B=3, M=8, D=4.
     lock_step = schedules.clock_ticks(schedules.OneFOneB(), 8, 4)
-    assert schedules.tick_makespan(lock_step, 1.0, 3.0) == 58.0
+    assert simulation.tick_makespan(lock_step, 1.0, 3.0) == 58.0
     assert schedules.simulate(schedules.OneFOneB(), 8, 4, 1.0, 3.0).makespan == 44.0
     # Event ticks start where the simulation starts each action: the run they
     # describe (no barrier) ends at 44, no longer than the lock-step 58.
@@ -425,8 +421,8 @@ def test_lock_step_ticks_handle_split_backward():
     ticks = schedules.clock_ticks(schedules.ZeroBubbleH1(), 3, 2)
     assert [" ".join(str(a) if a else "-" for a in tick) for tick in ticks[:4]] == [
         "F0.0 -", "F0.1 F1.0", "- I1.0", "I0.0 F1.1"]
-    assert schedules.tick_makespan(ticks, 1.0, 2.0) == len(ticks)  # F = I = W = 1
-    assert schedules.tick_makespan(schedules.clock_ticks(schedules.ZeroBubbleV(), 4, 2), 1.0, 2.0,
+    assert simulation.tick_makespan(ticks, 1.0, 2.0) == len(ticks)  # F = I = W = 1
+    assert simulation.tick_makespan(schedules.clock_ticks(schedules.ZeroBubbleV(), 4, 2), 1.0, 2.0,
                                    virtual_stages=2) == pytest.approx(
         schedules.simulate(schedules.ZeroBubbleV(), 4, 2).makespan)
 

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import tfpipe
 from tfpipe import timeline as timeline_lib
+from tfpipe import actions
 from tfpipe import schedules
 from tfpipe_tests import helpers
 
@@ -60,8 +61,8 @@ def test_record_step_follows_the_schedule_and_changes_nothing(schedule, executio
 
     m, d, k = 4, 2, len(model.stages)
     table = model.schedule.actions(m, d)
-    actions = {a for row in table for a in row}
-    assert len(timeline.events) == len(actions)
+    ran = {a for row in table for a in row}
+    assert len(timeline.events) == len(ran)
     finished = {}
     for dev in range(d):
         mine = sorted((e for e in timeline.events if e.device == dev), key=lambda e: e.start_ms)
@@ -73,8 +74,8 @@ def test_record_step_follows_the_schedule_and_changes_nothing(schedule, executio
         finished.update({e.name: e for e in mine})
     for e in timeline.events:  # and once what it reads is being made: it waits
         # for those tensors only (B0.m for B1.m's input gradient, not its dW).
-        action = schedules.Action(e.kind, e.stage, e.microbatch)
-        for dep in schedules.KINDS[e.kind].dependencies(action, k, actions):
+        action = actions.Action(e.kind, e.stage, e.microbatch)
+        for dep in actions.KINDS[e.kind].dependencies(action, k, ran):
             assert e.start_ms >= finished[str(dep)].start_ms, (e.name, str(dep))
     assert 0.0 <= timeline.measured_bubble < 1.0
     assert 0.0 <= timeline.predicted_bubble < 1.0
@@ -203,7 +204,7 @@ def test_gantt_chart_labels_fit_their_bars_and_read_on_their_colour():
         colour = timeline_lib._COLOURS[e.kind]  # pylint: disable=protected-access
         assert _contrast(text.get_color(), colour) >= 4.5, e.name  # WCAG AA
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
-        f"{k}: {schedules.KINDS[k].description}" for k in "FBIW"]
+        f"{k}: {actions.KINDS[k].description}" for k in "FBIW"]
     caption = " ".join(t.get_text() for t in fig.texts)
     for name in ("measured 50.0%", "predicted from measured stage costs 25.0%",
                  "schedule's ideal with F=1, B=2: 20.0%", "Overlap (2+ devices busy)"):

@@ -12,6 +12,7 @@ import pytest
 from launch import config as config_lib
 from launch import data as data_lib
 from launch import train as train_lib
+from tfpipe import actions
 from tfpipe_tests import helpers
 from tfpipe_tests.trainer_runs import config as _config
 
@@ -163,7 +164,7 @@ def test_a_bad_train_config_raises_a_run_error(tmp_path, changes, message):
 def test_flag_choices_match_the_library():
     import tfpipe  # pylint: disable=import-outside-toplevel
 
-    assert config_lib.RECOMPUTE_MODES[1:] == tfpipe.schedules.RECOMPUTE_MODES
+    assert config_lib.RECOMPUTE_MODES[1:] == actions.RECOMPUTE_MODES
     assert config_lib.EXECUTIONS[1:] == tuple(tfpipe.config.EXECUTIONS)
     from launch import trainer  # pylint: disable=import-outside-toplevel
 
