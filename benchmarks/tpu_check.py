@@ -11,7 +11,7 @@ per replica (one stage per core) under `tf.distribute.TPUStrategy`:
               and the loop execution) against plain Keras on the host CPU: max |dw|;
   placement   every stage's variables and AdamW slots on its core in every replica
               (K = 4), read from the variables themselves;
-  program     the traced replica program (`tfpipe.tpu_trace`): each stage's
+  program     the traced replica program (`benchmarks.tpu_trace`): each stage's
               variables, slots and matmuls on its core, nothing left off-core;
   speed       K in {1, 2, 4} x M in {1, 4, 8}: median step ms over `--repeats`
               steps, speed-up over K = 1, beside `tfpipe.schedules.simulate`'s ideal;
@@ -136,7 +136,7 @@ def check_exactness(make_run, size, steps, tolerance):
 def check_program(make_strategy, size):
     """Rows per K in {2, 4}: the traced replica program's placement."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    from tfpipe import tpu_trace  # pylint: disable=import-outside-toplevel
+    from benchmarks import tpu_trace  # pylint: disable=import-outside-toplevel
     rows = []
     for k in (2, 4):
         strategy = make_strategy(k)

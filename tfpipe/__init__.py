@@ -25,8 +25,7 @@ _PUBLIC = {
     "verify": ("tfpipe.verification", "verify"),
     "Verification": ("tfpipe.verification", "Verification"),
 }
-_PUBLIC_MODULES = ("config", "schedules", "timeline", "watchdog", "cluster", "testing", "tpu",
-                   "tpu_trace")
+_PUBLIC_MODULES = ("config", "schedules", "timeline", "watchdog", "cluster", "testing", "tpu")
 
 __all__ = sorted(_PUBLIC) + list(_PUBLIC_MODULES) + ["__version__"]
 

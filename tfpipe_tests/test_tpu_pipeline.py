@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from benchmarks import tpu_trace
 import tfpipe
 from tfpipe import _internal
-from tfpipe import tpu_trace
 
 # Ops the replica program may leave on no core: the input split and its shape
 # arithmetic, the global row count's all-reduce, the optimizer's step counter
