@@ -12,11 +12,11 @@ seeds (`recompute="always"`).
 import tensorflow as tf
 
 from tfpipe import _internal
+from tfpipe import actions
 from tfpipe import boundary
 from tfpipe import gradients as gradients_lib
 from tfpipe import loss as loss_lib
 from tfpipe import runtime
-from tfpipe import actions
 from tfpipe import schedules
 from tfpipe import stage as stage_lib
 from tfpipe import xla

@@ -238,9 +238,12 @@ class Batch:
     """One batch (x, y, sample_weight) and the `Split` that cuts it.
     `sample`: None, or a function returning an eager `Batch` of real rows of
     the same data, for the checks that need values while a step is traced
-    (`tfpipe.assumptions.check_call_losses`)."""
+    (`tfpipe.assumptions.check_call_losses`). `cut_at_once`: cut every
+    micro-batch with one split op per tensor where sizes are static (the
+    stage-functions execution asks for it)."""
 
-    def __init__(self, x, y=None, sample_weight=None, num_microbatches=1, sample=None):
+    def __init__(self, x, y=None, sample_weight=None, num_microbatches=1, sample=None,
+                 cut_at_once=False):
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.sample = sample
         self.split = Split(x, num_microbatches, "the inputs (x)")
@@ -251,9 +254,9 @@ class Batch:
                 _check_leaf(t, name)
         self._cache = {}
         # Cut every micro-batch at once (`Split.take_all`) when sizes are
-        # static: set by a stage-function step only (with inlined stages it
+        # static: for a stage-function step only (with inlined stages it
         # broke grappler's layout optimiser on a transformer's step).
-        self.cut_at_once = False
+        self.cut_at_once = cut_at_once
 
     @property
     def num_microbatches(self):

@@ -422,7 +422,8 @@ class PipelinedModel(keras_config.KerasConfig, _internal.CheckpointAs,
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if self._source is not None:
             x = self._source.graph.standardize_inputs(x)
-        return microbatch.Batch(x, y, sample_weight, self.num_microbatches, sample)
+        return microbatch.Batch(x, y, sample_weight, self.num_microbatches, sample,
+                                cut_at_once=self.pipeline_config.traits.stage_functions)
 
     def _sample_batch(self):
         """The first batch of the data fit or evaluate was given, as an eager `Batch`."""

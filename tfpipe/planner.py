@@ -12,6 +12,7 @@ import time
 import keras
 import numpy as np
 
+from tfpipe import actions
 from tfpipe import costs
 from tfpipe import devices as devices_lib
 from tfpipe import graph as graph_lib
@@ -19,7 +20,6 @@ from tfpipe import partition
 from tfpipe import placement
 from tfpipe import prediction
 from tfpipe import recompute_choice
-from tfpipe import actions
 from tfpipe import schedules
 
 RECOMMEND_SCHEDULES = ("gpipe", "1f1b", "zbh1", "interleaved", "zbv")

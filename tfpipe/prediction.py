@@ -12,9 +12,9 @@ import dataclasses
 
 import keras
 
+from tfpipe import actions
 from tfpipe import cutting
 from tfpipe import graph as graph_lib
-from tfpipe import actions
 from tfpipe import schedules
 
 # Optimizer state per trainable parameter, in units of the parameter's bytes.

@@ -10,12 +10,12 @@ import typing
 
 import tensorflow as tf
 
+from tfpipe import actions
 from tfpipe import assumptions
 from tfpipe import batchnorm
 from tfpipe import boundary
 from tfpipe import gradients as gradients_lib
 from tfpipe import loss as loss_lib
-from tfpipe import actions
 from tfpipe import stage as stage_lib
 
 float_leaves = boundary.float_leaves
@@ -187,7 +187,6 @@ class Step(Interpreter):
         backward_step = split is not None
         record = backward_step and plan.batch_norm == "deferred" and self.num_microbatches > 1
         recorders = [batchnorm.Recorder(layer, record) for layer in plan.layers]
-        batch.cut_at_once = plan.traits.stage_functions
         self.interfaces = self._probe(recorders, training, connectivity)
         m = self.num_microbatches
         assumptions.check_writes(

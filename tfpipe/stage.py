@@ -15,9 +15,9 @@ import typing
 import tensorflow as tf
 
 from tfpipe import _internal
+from tfpipe import actions
 from tfpipe import batchnorm
 from tfpipe import boundary
-from tfpipe import actions
 from tfpipe import xla
 
 float_leaves = boundary.float_leaves

@@ -12,8 +12,8 @@ import math
 
 import pytest
 
-from tfpipe import runtime
 from tfpipe import actions
+from tfpipe import runtime
 from tfpipe import schedules
 
 

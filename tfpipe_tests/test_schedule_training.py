@@ -373,3 +373,23 @@ def test_keras_step_functions_run_in_the_execution_call_scope(execution, scoped)
         assert getattr(function, "tfpipe_call_scope", False) is scoped
     assert model.make_train_function() is model.train_function
     assert getattr(model.make_train_function(force=True), "tfpipe_call_scope", False) is scoped
+
+
+@pytest.mark.parametrize("execution, split_ops", [("stage_functions", True), ("unrolled", False)])
+def test_stage_functions_cut_the_batch_with_one_split_per_tensor(execution, split_ops):
+    # The model asks its Batch for it (the step no longer sets it on the
+    # caller's batch): one Split per tensor instead of a slice per micro-batch,
+    # only where stages are not inlined (inlined, it broke grappler's layout
+    # optimiser on a transformer's step).
+    strategy = tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], num_microbatches=4,
+                                       execution=execution, recompute="never")
+    with strategy.scope():
+        model = tfpipe.PipelinedModel([keras.layers.Dense(4), keras.layers.Dense(3)],
+                                      input_shape=(None, 8))
+        model.compile(optimizer="sgd", loss="mse")
+    assert model.split_batch((tf.zeros([16, 8]), tf.zeros([16, 3]))).cut_at_once is split_ops
+    with tfpipe.stage.call_scope(model.pipeline_config.traits):
+        graph = tf.function(model.train_step).get_concrete_function(
+            (tf.TensorSpec([16, 8], tf.float32), tf.TensorSpec([16, 3], tf.float32))).graph
+    splits = [op for op in graph.get_operations() if op.type in ("Split", "SplitV")]
+    assert bool(splits) is split_ops, [op.name for op in splits]

@@ -12,9 +12,9 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tfpipe import timeline as timeline_lib
 from tfpipe import actions
 from tfpipe import schedules
+from tfpipe import timeline as timeline_lib
 from tfpipe_tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
