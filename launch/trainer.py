@@ -32,6 +32,7 @@ from launch import files
 from launch import outputs
 from launch import segments
 from launch import history as history_lib
+from launch import local_cluster
 from launch import config as config_lib
 from launch import data as data_lib
 from launch import restart
@@ -180,10 +181,11 @@ def _cluster_devices(config):
     devices): device k is task k's GPU:0 if it has one, else its CPU:0.
 
     Local workers live as long as this process (the trained model's variables
-    are on them): `LocalCluster` kills them at exit, `StepWatchdog` before
-    its `os._exit`, and each ends by itself if this process goes away."""
+    are on them): `LocalCluster` kills them at exit, the `StepWatchdog`'s
+    `on_end` before its `os._exit`, and each ends by itself if this process
+    goes away."""
     if config.cluster.startswith("local:"):
-        target = tfpipe.cluster.LocalCluster(int(config.cluster.split(":")[1]))
+        target = local_cluster.LocalCluster(int(config.cluster.split(":")[1]))
         target.start()
     else:
         target = "tf_config"
@@ -195,7 +197,7 @@ def _cluster_devices(config):
         on_gpu = any(tfpipe.placement.same_device(gpu, g) for g in gpus)
         devices.append(tfpipe.placement.canonical_device(
             gpu if on_gpu else f"/job:{tfpipe.cluster.JOB}/task:{k}/device:CPU:0"))
-    pids = target.pids if isinstance(target, tfpipe.cluster.LocalCluster) else None
+    pids = getattr(target, "pids", None)  # a LocalCluster's workers
     return spec, devices, pids
 
 
@@ -245,6 +247,7 @@ def _watchdog(timeout_s, cluster, stop, latest):
     """A `tfpipe.StepWatchdog` over `cluster` whose last words release the
     run's lock and name the newest committed checkpoint (`latest[-1]`)."""
     def on_end(message):
+        local_cluster.kill_local_workers()  # os._exit runs no atexit handler
         stop.run_hard_exit_hooks()
         kept = (f"The newest committed checkpoint is {latest[-1]}; --resume on every worker "
                 f"continues from it." if latest else "No checkpoint had been committed.")

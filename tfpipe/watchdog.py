@@ -50,7 +50,7 @@ class StepWatchdog(keras.callbacks.Callback):
             raise ValueError(
                 "StepWatchdog(cluster=None) watches the cluster of tfpipe.cluster.connect(), "
                 "but this process has not connected. Connect first, or pass cluster= (a "
-                "tfpipe.cluster.LocalCluster, a tf.train.ClusterSpec or a resolver).")
+                "launch.local_cluster.LocalCluster, a tf.train.ClusterSpec or a resolver).")
         self.addresses = cluster_lib.task_addresses(cluster)
         self.timeout_s, self.probe_timeout_s = float(timeout_s), float(probe_timeout_s)
         self.poll_s, self.exit_code = float(poll_s), exit_code
@@ -143,5 +143,4 @@ class StepWatchdog(keras.callbacks.Callback):
                     f"(timeout {self.timeout_s:g} s): {named}. Ending this process (exit code "
                     f"{self.exit_code}). Restart the worker, then continue from the last "
                     f"checkpoint (launch.train: --resume).")
-        cluster_lib.kill_local_workers()  # os._exit runs no atexit handler
         os._exit(self.exit_code)  # the main thread is blocked inside TensorFlow

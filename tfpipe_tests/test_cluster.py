@@ -4,7 +4,7 @@ A process connected to a cluster stays connected, so everything that
 connects runs in a child process (`python -m tfpipe_tests.test_cluster
 SCENARIO`, the functions of CHILDREN below) with a time limit, in its own
 session, killed as a group if it overruns; the child prints one JSON line
-that the test reads. Workers are `tfpipe.cluster.LocalCluster` processes on
+that the test reads. Workers are `launch.local_cluster.LocalCluster` processes on
 127.0.0.1. After each child the test checks that none of its workers is left.
 
 The in-process tests (the probe table against tiny sockets, device-name
@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from launch import local_cluster
 import tfpipe
 from tfpipe import cluster as cluster_lib
 from tfpipe import probe
@@ -168,7 +169,7 @@ def test_watchdog_errors(kwargs, message):
 @pytest.mark.parametrize("n", [0, -1, 1.5, True])
 def test_local_cluster_needs_a_count(n):
     with pytest.raises(ValueError, match=r"LocalCluster\(num_workers\) needs an integer >= 1"):
-        cluster_lib.LocalCluster(n)
+        local_cluster.LocalCluster(n)
 
 
 # -- connected children -------------------------------------------------------------
@@ -234,7 +235,7 @@ def child_placement():
     """Connected to 2 workers: the device errors, the stage placement by task,
     and the weights against the same pipeline on 2 local logical CPUs."""
     tfpipe.testing.use_logical_cpus(2)
-    with cluster_lib.LocalCluster(2, time_limit_s=CHILD_TIMEOUT) as local:
+    with local_cluster.LocalCluster(2, time_limit_s=CHILD_TIMEOUT) as local:
         print("WORKERS " + json.dumps(local.pids), flush=True)
         cluster_lib.connect(local)
         workers = local.worker_devices()
@@ -268,7 +269,7 @@ def child_placement():
 def child_kill():
     """A pipeline on 2 workers; at training step 4, worker 1 is killed. Prints
     the kill's time, then whatever ends the run."""
-    with cluster_lib.LocalCluster(2, time_limit_s=CHILD_TIMEOUT) as local:
+    with local_cluster.LocalCluster(2, time_limit_s=CHILD_TIMEOUT) as local:
         print("WORKERS " + json.dumps(local.pids), flush=True)
         cluster_lib.connect(local)
         model = _child_model(local.worker_devices())

@@ -329,8 +329,8 @@ _WORKER_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_one_pipeline_per_worker_process_trains_like_plain_keras():
-    from tfpipe import cluster as cluster_lib
-    ports = cluster_lib._free_ports(2)  # pylint: disable=protected-access
+    from launch import local_cluster
+    ports = local_cluster.free_ports(2)
     results = _run_workers(lambda i: ["-c", _WORKER_SCRIPT], ports)
     for index, (code, out, err) in enumerate(results):
         line = [l for l in out.splitlines() if l.startswith("RESULT")]
@@ -390,8 +390,8 @@ def test_trainer_with_one_replica_per_worker_matches_one_process(tmp_path, train
     """Each worker runs the same `launch.train --replicas=tf_config` with one
     shared --model_dir, which the chief (task 0) alone writes; every step's
     loss and accuracy equal the single-process run's."""
-    from tfpipe import cluster as cluster_lib
-    ports = cluster_lib._free_ports(2)  # pylint: disable=protected-access
+    from launch import local_cluster
+    ports = local_cluster.free_ports(2)
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     results = _run_workers(
@@ -473,9 +473,9 @@ def test_a_signal_to_one_worker_stops_every_worker_after_the_same_step(tmp_path,
     """SIGTERM reaches worker 0 only (after its step 3); by one all-reduce per
     step both workers agree, each saves ckpt-3 and exits 143; resumed
     together, they finish as the uninterrupted single-process run."""
-    from tfpipe import cluster as cluster_lib
+    from launch import local_cluster
     from tfpipe_tests.test_trainer_stops import _MAIN_SIGNALLED_AT
-    ports = cluster_lib._free_ports(2)  # pylint: disable=protected-access
+    ports = local_cluster.free_ports(2)
     shared = ["--replicas=tf_config", f"--model_dir={tmp_path}/run"]  # one folder, the chief's
     stopped = _run_workers(
         lambda i: [*(["-c", _MAIN_SIGNALLED_AT] if i == 0 else _TRAIN[:2]), *_TRAIN[2:],
@@ -486,7 +486,7 @@ def test_a_signal_to_one_worker_stops_every_worker_after_the_same_step(tmp_path,
         assert err.splitlines()[-1] == (
             f"launch.train: stopped: {sig} after step 3: saved {tmp_path}/run/checkpoints/"
             f"ckpt-3; --resume continues the run from there.")
-    ports = cluster_lib._free_ports(2)  # pylint: disable=protected-access
+    ports = local_cluster.free_ports(2)
     resumed = _run_workers(lambda i: [*_TRAIN, *shared, "--resume"], ports)
     full = json.loads((trainer_runs / "full" / "history.json").read_text())
     for code, out, err in resumed:

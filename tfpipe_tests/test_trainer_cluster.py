@@ -19,8 +19,8 @@ import time
 
 import pytest
 
+from launch import local_cluster
 from launch import run_lock
-from tfpipe import cluster as cluster_lib
 from tfpipe_tests import trainer_runs as runs
 from tfpipe_tests.test_data_parallel import REPO, _TRAIN, _run_workers, _tf_config
 from tfpipe_tests.test_trainer_stops import _MAIN_SIGNALLED_AT
@@ -41,7 +41,7 @@ def test_a_worker_whose_peer_never_comes_ends_with_one_line(tmp_path, index):
     """The start-up rendezvous (TensorFlow waits there holding the GIL) is
     bounded by --step_timeout: one line naming the peer, exit 4, nothing
     left running, the lock file empty."""
-    ports = cluster_lib._free_ports(2)  # pylint: disable=protected-access
+    ports = local_cluster.free_ports(2)
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, *_TRAIN[:2], *_FLAGS, "--step_timeout=5", f"--model_dir={tmp_path}"],
@@ -65,7 +65,7 @@ def uninterrupted(tmp_path_factory):
     """Two workers, one shared --model_dir, 6 steps, nothing in the way."""
     root = tmp_path_factory.mktemp("cluster_reference")
     done = _run_workers(lambda i: [*_TRAIN[:2], *_FLAGS, f"--model_dir={root}"],
-                        cluster_lib._free_ports(2))  # pylint: disable=protected-access
+                        local_cluster.free_ports(2))
     assert [code for code, _, _ in done] == [0, 0], done[0][2][-3000:]
     return root
 
@@ -80,7 +80,7 @@ def test_a_killed_worker_ends_the_other_and_both_resume_exactly(tmp_path, uninte
     killed = _run_workers(
         lambda i: [*(["-c", _MAIN_SIGNALLED_AT] if i == 1 else _TRAIN[:2]), *_FLAGS,
                    f"--model_dir={run}"],
-        cluster_lib._free_ports(2), {"SIGNAL_AT": "step:3:SIGKILL"})  # pylint: disable=W0212
+        local_cluster.free_ports(2), {"SIGNAL_AT": "step:3:SIGKILL"})
     code, _, err = killed[0]
     assert code == 4, err[-3000:]
     line = err.splitlines()[-1]
@@ -90,7 +90,7 @@ def test_a_killed_worker_ends_the_other_and_both_resume_exactly(tmp_path, uninte
     assert killed[1][0] == 128 + signal.SIGKILL
     assert (run / run_lock.LOCK_FILE).read_text() == ""
     resumed = _run_workers(lambda i: [*_TRAIN[:2], *_FLAGS, "--resume", f"--model_dir={run}"],
-                           cluster_lib._free_ports(2))  # pylint: disable=protected-access
+                           local_cluster.free_ports(2))
     for code, out, err in resumed:
         assert code == 0, err[-3000:]
         assert f"Resuming from {run}/checkpoints/ckpt-2 (step 2)." in out
@@ -106,7 +106,7 @@ def test_a_signal_reaches_a_worker_blocked_on_a_frozen_peer(tmp_path):
     """Worker 1 frozen (SIGSTOP) after a checkpoint, then SIGTERM to worker 0,
     blocked in its collective: it ends within --step_timeout, with one line,
     the lock released."""
-    ports = cluster_lib._free_ports(2)  # pylint: disable=protected-access
+    ports = local_cluster.free_ports(2)
     run = tmp_path / "run"
     procs = [subprocess.Popen(
         [sys.executable, *_TRAIN[:2], *_FLAGS, "--epochs=20", "--step_timeout=10",
@@ -151,7 +151,7 @@ def test_a_worker_is_refused_a_previous_run_as_its_chief_is(tmp_path, tmp_path_f
         [sys.executable, *_TRAIN[:2], *_FLAGS, f"--model_dir={model_dir}"], cwd=REPO,
         capture_output=True, text=True, timeout=60,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-                 TF_CONFIG=_tf_config(cluster_lib._free_ports(2), 1)))  # pylint: disable=W0212
+                 TF_CONFIG=_tf_config(local_cluster.free_ports(2), 1)))
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.splitlines()[-1].startswith(
         f"launch.train: error: --model_dir={model_dir} holds a previous run (")
