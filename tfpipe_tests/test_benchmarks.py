@@ -32,6 +32,7 @@ TINY = {
                    "--steps=1"],
     "compile_time": ["--model=mlp", "--layers=2", "--width=8", "--batch=16",
                      "--microbatches=2", "--executions=unrolled,loop", "--repeats=1"],
+    "module_changes": ["--microbatches=2"],
     "noise_floor": ["--sizes=32", "--dtypes=float32", "--executions=loop", "--images=2",
                     "--batch=2"],
 }
@@ -56,6 +57,7 @@ FIELDS = {
     "compile_time": ("| M | execution | first call s |", {
         "num_microbatches", "execution", "first_call_s", "first_ratio", "step_ms",
         "graph_nodes", "plain_first_s", "plain_ms"}),
+    "module_changes": ("| part | actions |", {"part", "total"}),
     "noise_floor": ("| size | images | per batch | dtype |", {"update", "noise", "loop"}),
     "plan_check": ("| M | schedule | recompute | balance |", {
         "num_microbatches", "schedule", "execution", "predicted_ms", "step_ms", "plain_ms",
@@ -83,6 +85,7 @@ def _run(tmp_path, module, *flags, timeout=300):
     pytest.param("noise_floor", [], [], marks=pytest.mark.slow),
     pytest.param("plan_check", [], [], marks=pytest.mark.slow),
     pytest.param("compile_time", [], [], marks=pytest.mark.slow),
+    pytest.param("module_changes", [], [], marks=pytest.mark.slow),
 ])
 def test_a_tiny_run_writes_the_rows_its_table_prints(tmp_path, module, trees, labels):
     if trees:  # another checkout: here a copy of this one's library
@@ -112,6 +115,10 @@ def test_a_tiny_run_writes_the_rows_its_table_prints(tmp_path, module, trees, la
         assert sum(r["recommended"] for r in rows) == 1
         assert (rows[0]["num_microbatches"], rows[0]["schedule"]) == (2, "gpipe")
         assert result["summary"] == plan_check.summarize(rows)
+    if module == "module_changes":  # M=2, GPipe: 4 forwards and 4 backwards, each counted
+        assert [(r["part"], r["actions"]) for r in rows] == [
+            ("action B", 4), ("action F", 4), ("outside the actions", None)]
+        assert all(r["total"] > 0 for r in rows)
     if module == "compile_time":  # one XLA program: the loop's graph does not grow with M
         assert [r["execution"] for r in rows] == ["unrolled", "loop"]
     if module == "speedup_transformer":
