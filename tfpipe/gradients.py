@@ -29,6 +29,11 @@ def add_gradients(acc, grad):
     return tf.convert_to_tensor(acc) + tf.convert_to_tensor(grad)
 
 
+def add_each(accs, grads):
+    """[add_gradients(a, g) for each pair]: one action's weight gradients."""
+    return [add_gradients(acc, grad) for acc, grad in zip(accs, grads)]
+
+
 _UNIQUE_OPS = ("Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2")
 _PASS_THROUGH = ("Identity", "Reshape", "Cast", "Squeeze", "ExpandDims", "StridedSlice",
                  "GatherV2", "Gather")

@@ -142,11 +142,12 @@ class LoopStore:
         self.st["gin"][k - 1] = [ta.write(m, g) for ta, g in zip(self.st["gin"][k - 1], packed)]
         return []
 
-    def add_weight_gradient(self, d, k, m, i, grad, is_sum=False):
+    def add_weight_gradients(self, d, k, m, grads):
         layout = self.layout
-        j = layout.device_vars[d].index(i)
         self.st["grads"][d] = list(self.st["grads"][d])
-        self.st["grads"][d][j] = layout.slots[d][i].add(self.st["grads"][d][j], grad, k, m)
+        for i, grad, _ in grads:
+            j = layout.device_vars[d].index(i)
+            self.st["grads"][d][j] = layout.slots[d][i].add(self.st["grads"][d][j], grad, k, m)
         return []
 
     def weight_sum(self, i):

@@ -56,9 +56,10 @@ class Store(typing.Protocol):
     def put_input_gradients(self, k, m, grads):
         """Stage k's input gradients; returns the tensors produced."""
 
-    def add_weight_gradient(self, d, k, m, i, grad, is_sum=False):
-        """Adds a gradient of variable i (`is_sum`: replaces its running sum);
-        returns the tensors produced."""
+    def add_weight_gradients(self, d, k, m, grads):
+        """Adds one action's weight gradients, `grads` a list of (variable i,
+        gradient, is_sum: it replaces i's running sum); returns the tensors
+        produced."""
 
     def weight_sum(self, i):
         """Variable i's running gradient sum, or None."""
@@ -160,12 +161,11 @@ class Interpreter:
                         include_ops=held)
 
     def _add_weights(self, store, stage, m, grads, summed):
-        produced = []
-        d = self.stage_device[stage.k]
-        for i, g, is_sum in zip(stage.indices, grads, summed):
-            if g is not None:
-                produced += store.add_weight_gradient(d, stage.k, m, i, g, is_sum)
-        return produced
+        given = [(i, g, is_sum) for i, g, is_sum in zip(stage.indices, grads, summed)
+                 if g is not None]
+        if not given:
+            return []
+        return store.add_weight_gradients(self.stage_device[stage.k], stage.k, m, given)
 
     def output_gradients(self, store, k, m):
         """d loss / d stage k's output float leaves; the last stage's loss seeds."""

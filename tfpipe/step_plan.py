@@ -37,6 +37,10 @@ class VariableTable:
         """The home stage of variable i."""
         return self.users[i][0]
 
+    def homes(self):
+        """The home stage of every variable, in index order."""
+        return [users[0] for users in self.users]
+
 
 @dataclasses.dataclass(frozen=True)
 class TraceOptions:

@@ -33,6 +33,7 @@ class UnrolledStore:
         self.divisors = [[] for _ in range(n_terms)]
         self.seeds_cache = None
         self.grads = [None] * len(step.variables)
+        self.homes = step.table.homes()
         self.unique_rows = set()  # variables whose slices are merged row by row
         self.last = [None] * len(self.plan.devices)  # each device's token
         self.start = None
@@ -102,16 +103,28 @@ class UnrolledStore:
         self.out_grads[(k - 1, m)] = grads
         return grads
 
-    def add_weight_gradient(self, d, k, m, i, grad, is_sum=False):
-        if is_sum:
-            self.grads[i] = grad
-            return [grad]
-        if isinstance(grad, tf.IndexedSlices) and gradients_lib.gathers_unique_rows(grad):
-            self.unique_rows.add(i)
-        with self.plan.home_scope(self.step.table, i):
-            total = gradients_lib.add_gradients(self.grads[i], grad)
-        self.grads[i] = total
-        return [total.values, total.indices] if isinstance(total, tf.IndexedSlices) else [total]
+    def add_weight_gradients(self, d, k, m, grads):
+        produced, by_home = [], {}
+        for i, grad, is_sum in grads:
+            if is_sum:
+                self.grads[i] = grad
+                produced.append(grad)
+                continue
+            if isinstance(grad, tf.IndexedSlices) and gradients_lib.gathers_unique_rows(grad):
+                self.unique_rows.add(i)
+            by_home.setdefault(self.homes[i], []).append((i, grad))
+        # One scope per home stage and one call per action, not one per weight.
+        for home, pairs in by_home.items():
+            with self.plan.stage_scope(home):
+                totals = gradients_lib.add_each([self.grads[i] for i, _ in pairs],
+                                                [g for _, g in pairs])
+            if len({i for i, _ in pairs}) < len(pairs):
+                raise RuntimeError(f"tfpipe bug: a weight given twice in one action: {pairs}")
+            for (i, _), total in zip(pairs, totals):
+                self.grads[i] = total
+                produced += ([total.values, total.indices]
+                             if isinstance(total, tf.IndexedSlices) else [total])
+        return produced
 
     def weight_sum(self, i):
         return self.grads[i]

@@ -92,9 +92,10 @@ class FakeStore:
         self.out_grads[(k - 1, m)] = grads
         return grads
 
-    def add_weight_gradient(self, d, k, m, i, grad, is_sum=False):
-        self.grads[i] = grad if is_sum else self.grads.get(i, 0.0) + grad
-        return [grad]
+    def add_weight_gradients(self, d, k, m, grads):
+        for i, grad, is_sum in grads:
+            self.grads[i] = grad if is_sum else self.grads.get(i, 0.0) + grad
+        return [grad for _, grad, _ in grads]
 
     def weight_sum(self, i):
         return self.grads.get(i)
