@@ -69,11 +69,12 @@ def saved_balance(saved_balance, strategy, schedule, where="this file"):
 def load_settings(config, given):
     """The settings a saved config loads with (popped from `config`): the saved
     ones, then those the strategy was `given`, then `load_model`'s overrides."""
-    saved = config.pop("pipeline", None)
-    if saved is None:  # saved by tfpipe 0.1: settings at the top level
-        saved = {k: config.pop(k, None) for k in ("num_microbatches", "recompute", "execution")}
-    else:
-        saved = config_lib.PipelineConfig.from_json(saved).settings()
+    if "pipeline" not in config:
+        raise ValueError(
+            f"This PipelinedModel config has no 'pipeline' settings (keys: {sorted(config)}); "
+            f"PipelinedModel.get_config writes them. Load a file this tfpipe saved, or cut the "
+            f"plain Keras model again with tfpipe.PipelinedModel.from_model.")
+    saved = config_lib.PipelineConfig.from_json(config.pop("pipeline")).settings()
     settings = config_lib.merge(saved, given).settings()
     request = current_load_request()
     if request is not None:  # tfpipe.load_model's overrides come last

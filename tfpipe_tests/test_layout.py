@@ -222,7 +222,16 @@ def _to_keras_in_scope(tmp_path):
         model.to_keras()
 
 
+def _config_without_settings(tmp_path):
+    config = _pipelined(2).get_config()
+    del config["pipeline"]
+    with _strategy(2).scope():
+        tfpipe.PipelinedModel.from_config(config)
+
+
 ERRORS = [
+    ("config_without_settings", _config_without_settings,
+     "This PipelinedModel config has no 'pipeline' settings"),
     ("plain_keras_load_at_fewer_devices", lambda p: _plain_load_in_2(_saved_at_4(p)),
      "holds a pipeline of 4 stages (balance=[2, 1, 1, 3]), but the PipelineStrategy in "
      "scope places at most 2 with schedule='gpipe'. Load it with tfpipe.load_model(path)"),
