@@ -18,7 +18,7 @@ not a new engine. `simulate` and co. take schedule names too.
 import re
 
 from tfpipe import simulation
-from tfpipe.actions import ARGUMENTS, KINDS, Action, Schedule, Spelling, check_counts
+from tfpipe.actions import ARGUMENTS, KINDS, Action, Schedule, Spelling
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 

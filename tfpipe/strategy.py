@@ -9,7 +9,6 @@ from tfpipe import _internal_distribute
 from tfpipe import config as config_lib
 from tfpipe import host
 from tfpipe import placement
-from tfpipe import schedules
 from tfpipe import tpu
 
 
