@@ -70,11 +70,7 @@ def _connect(tpu, cpu_dry_run):
 
     def make(k):
         cores = topology.num_tasks * topology.num_tpus_per_task
-        shape = {1: [1, 1, 1, 1], 2: [1, 1, 1, 2], 4: [1, 2, 1, 2], 8: [2, 2, 1, 2]}[k]
-        if topology.mesh_shape[3] == 1:  # one core per chip (v5e, v4 megacore)
-            shape = {1: [1, 1, 1, 1], 2: [1, 2, 1, 1], 4: [2, 2, 1, 1], 8: [2, 4, 1, 1]}[k]
-        assignment = tf.tpu.experimental.DeviceAssignment.build(
-            topology, computation_shape=shape, num_replicas=max(1, cores // k // 2))
+        assignment = tfpipe.tpu.device_assignment(topology, k, max(1, cores // k // 2))
         return tf.distribute.TPUStrategy(resolver, experimental_device_assignment=assignment)
     return "TPU", make, make
 

@@ -45,7 +45,7 @@ import tensorflow as tf
 
 from launch import config as config_lib
 from launch import outputs
-from launch.config import Diverged, RunError
+from launch.errors import Diverged, RunError
 from launch.files import atomic_write, canonical, fsync_dir, sha256
 
 from launch import segments

@@ -8,16 +8,7 @@ that are the library's are asked of it (`tfpipe.config` and
 checks run again when `train(TrainConfig(...))` is called directly, then as
 a `RunError`.
 
-Exit codes of `python -m launch.train` (the `exit_code` of each error class):
-
-- 1: bad input: a flag (absl's parser), a setting, a data set, or a
-  `--resume` with nothing usable to resume from (`RunError`);
-- 2: `--model_dir` is in use by another run (`ModelDirBusy`);
-- 3: training diverged: a non-finite loss or non-finite weights (`Diverged`);
-- 4: a worker of --cluster was lost: it froze (`--step_timeout`'s
-  `tfpipe.StepWatchdog` ends the process) or died (`WorkerLost`);
-- 128 + N: stopped by signal N (SIGTERM 143, SIGINT 130, SIGHUP 129) after
-  saving a checkpoint (`Stopped`; `launch.signals`).
+The errors a run ends with, and their exit codes, are in `launch.errors`.
 """
 
 import dataclasses
@@ -29,48 +20,10 @@ import re
 
 from launch import data as data_lib
 from launch import outputs
+from launch.errors import RunError
 from tfpipe import actions
 from tfpipe import config as tfpipe_config
 from tfpipe import schedules
-
-
-class RunError(ValueError):
-    """A run that cannot start or go on, with a message that says why and what to do."""
-
-    exit_code = 1
-    label = "error"  # launch.train prints "launch.train: <label>: <message>"
-
-
-class ModelDirBusy(RunError):
-    """Another process holds the lock on --model_dir."""
-
-    exit_code = 2
-
-
-class Diverged(RunError):
-    """The loss (or a weight) became non-finite; nothing non-finite was saved."""
-
-    exit_code = 3
-
-    def __init__(self, message, step):
-        super().__init__(message)
-        self.step = step
-
-
-class WorkerLost(RunError):
-    """A worker of --cluster died mid-run (TensorFlow's UnavailableError)."""
-
-    exit_code = 4  # tfpipe.watchdog.EXIT_CODE: a frozen worker ends the run with it too
-
-
-class Stopped(RunError):
-    """The run stopped on a signal after saving a checkpoint; `--resume` continues it."""
-
-    label = "stopped"
-
-    def __init__(self, message, exit_code):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclasses.dataclass
@@ -104,6 +57,7 @@ class TrainConfig:
     cluster: str = ""  # "": this process's devices; "local:N": N worker processes; "tf_config"
     step_timeout: float = 0.0  # seconds; > 0: tfpipe.StepWatchdog (needs --cluster)
     replicas: str = "1"  # "N": N data-parallel pipelines here; "tf_config": one per worker process
+    tpu: str = ""  # "": no TPU; "local": this TPU VM's; NAME: a TPU node (TPUClusterResolver)
 
 
 # model name -> (the kind of data it takes, its default data set)
@@ -241,6 +195,13 @@ def _check_replicas(value):
             f"worker runs the same command)")
 
 
+def _check_tpu(value):
+    if not isinstance(value, str) or any(c.isspace() for c in value):
+        return (f"must be a TPU name, grpc://address or local (this Cloud TPU VM's), or "
+                f"empty (no TPU), got {value!r}")
+    return None
+
+
 def chief_or_worker(config):
     """None for a process that writes its --model_dir itself; for a worker of a
     --replicas=tf_config cluster, ("chief", 0), or ("worker", k) for one that
@@ -343,6 +304,7 @@ FIELD_CHECKS = {
     "cluster": _check_cluster,
     "step_timeout": _check_step_timeout,
     "replicas": _check_replicas,
+    "tpu": _check_tpu,
 }
 
 
@@ -447,9 +409,25 @@ def gpus_may_exist():
     return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))
 
 
+def _tpu_holds_the_pipelines(s):
+    if not s["tpu"]:
+        return None
+    if s["cluster"] or s["replicas"] == "tf_config":
+        given = f"--cluster={s['cluster']}" if s["cluster"] else "--replicas=tf_config"
+        return (f"--tpu={s['tpu']} with {given}: a TPU's replicas are its own cores, "
+                f"placed by TPUStrategy. Use --tpu alone (--replicas=N for N pipelines on "
+                f"the TPU's cores), or {given} without --tpu.")
+    m, r = s["microbatches"], replica_count(s["replicas"])
+    if s["batch_size"] % (m * r):
+        return (f"--tpu={s['tpu']} compiles one program per replica, so every micro-batch "
+                f"has one static size: --batch_size={s['batch_size']} must be a multiple of "
+                f"--microbatches x --replicas = {m} x {r} = {m * r}.")
+    return None
+
+
 def _devices_exist(s):
-    if s["cluster"]:
-        return None  # the workers' devices: _cluster_holds_the_stages
+    if s["cluster"] or s["tpu"]:
+        return None  # the workers' devices: _cluster_holds_the_stages; a TPU's: when connected
     try:
         needed = schedules.devices_needed(s["schedule"], s["stages"])
     except ValueError:
@@ -483,7 +461,8 @@ CROSS_CHECKS = [
     (("cluster", "stages", "schedule"), _cluster_holds_the_stages),
     (("step_timeout", "cluster", "replicas"), _watchdog_watches_a_cluster),
     (("replicas", "cluster"), _replicas_are_local),
-    (("stages", "schedule", "replicas", "logical_cpus", "cluster"), _devices_exist),
+    (("tpu", "cluster", "replicas", "microbatches", "batch_size"), _tpu_holds_the_pipelines),
+    (("stages", "schedule", "replicas", "logical_cpus", "cluster", "tpu"), _devices_exist),
 ]
 
 

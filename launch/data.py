@@ -327,7 +327,9 @@ class BatchOrder:
 
     The data is drawn in passes; pass p visits the rows in the order
     `np.random.default_rng([seed, p]).permutation(n)`, in batches of
-    `batch_size` (the last batch of a pass may be smaller). Step s (0-based)
+    `batch_size` (the last batch of a pass may be smaller; with
+    `whole_batches`, the rows that would fill it are left out of that pass,
+    for a program that takes one static batch size). Step s (0-based)
     takes batch `s % batches_per_pass` of pass `s // batches_per_pass`. So a run
     resumed at step s draws exactly the batches the uninterrupted run drew.
 
@@ -336,13 +338,16 @@ class BatchOrder:
     (3, [4, 4, 2, 4])
     """
 
-    def __init__(self, num_rows, batch_size, seed=0):
-        if num_rows < 1:
-            raise ValueError("BatchOrder needs at least one row.")
+    def __init__(self, num_rows, batch_size, seed=0, whole_batches=False):
+        if num_rows < (batch_size if whole_batches else 1):
+            raise ValueError(f"BatchOrder needs at least {batch_size if whole_batches else 1} "
+                             f"row(s), got {num_rows}.")
         self.num_rows = int(num_rows)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
-        self.batches_per_pass = math.ceil(self.num_rows / self.batch_size)
+        self.whole_batches = bool(whole_batches)
+        self.batches_per_pass = (self.num_rows // self.batch_size if whole_batches
+                                 else math.ceil(self.num_rows / self.batch_size))
         self._cached_pass = None
         self._permutation = None
 
@@ -371,5 +376,6 @@ class BatchOrder:
                 rows = self.rows(step)
                 yield x[rows], y[rows]
 
-        spec = lambda a: tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype))  # noqa: E731
+        rows = self.batch_size if self.whole_batches else None
+        spec = lambda a: tf.TensorSpec((rows,) + a.shape[1:], tf.as_dtype(a.dtype))  # noqa: E731
         return tf.data.Dataset.from_generator(batches, output_signature=(spec(x), spec(y)))

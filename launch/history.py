@@ -36,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from launch import segments
-from launch.config import Diverged
+from launch.errors import Diverged
 from launch.files import atomic_write
 
 from launch.outputs import HISTORY_FILE, LOSS_PLOT, TENSORBOARD_DIR  # noqa: F401

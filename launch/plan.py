@@ -31,7 +31,8 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 from launch import config as config_lib  # noqa: E402
-from launch.config import RunError, TrainConfig  # noqa: E402
+from launch.config import TrainConfig  # noqa: E402
+from launch.errors import RunError  # noqa: E402
 
 _DEFAULTS = TrainConfig()
 FLAGS = flags.FLAGS
@@ -79,19 +80,20 @@ def plan_run(config, optimizer="adam", device_memory_bytes=None, repeats=2):
     from launch import data as data_lib  # pylint: disable=import-outside-toplevel
     from launch.quiet import quiet_start_up  # pylint: disable=import-outside-toplevel
     with quiet_start_up():
-        from launch import trainer  # pylint: disable=import-outside-toplevel  (imports TF)
+        from launch import model_specs  # pylint: disable=import-outside-toplevel  (imports TF)
+        from launch import run_devices  # pylint: disable=import-outside-toplevel
         import tfpipe  # pylint: disable=import-outside-toplevel
 
     tfpipe.testing.use_logical_cpus(config.logical_cpus)
-    spec = trainer.MODELS[config.model]
+    spec = model_specs.MODELS[config.model]
     dataset = spec.default_dataset if config.dataset == "auto" else config.dataset
     try:
         data = data_lib.load(dataset, seed=config.seed, data_dir=config.data_dir,
                              max_examples=config.max_examples)
     except ValueError as err:
         raise RunError(str(err)) from None
-    with trainer.pipeline_strategy(config).scope():
-        model = spec.build(config, data)
+    with run_devices.pipeline_strategy(config).scope():
+        model = spec.build(config, data, **run_devices.model_settings(config))
     try:
         return tfpipe.plan(model, config.batch_size, config.microbatches, optimizer=optimizer,
                            device_memory_bytes=device_memory_bytes, repeats=repeats)

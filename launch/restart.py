@@ -5,7 +5,7 @@ import sys
 
 from launch import checkpoints
 from launch import history as history_lib
-from launch.config import RunError
+from launch.errors import RunError
 
 # Run settings that change how the same model is computed (the stage layout,
 # the micro-batches, their order): --reshard may change them; the result

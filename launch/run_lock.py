@@ -22,7 +22,7 @@ import os
 import socket
 import time
 
-from launch.config import ModelDirBusy, RunError
+from launch.errors import ModelDirBusy, RunError
 
 LOCK_FILE = ".lock"
 

@@ -33,6 +33,7 @@ after finishing the step and saving a checkpoint (`launch.signals`).
     python -m launch.train --replicas=2 --stages=2 --logical_cpus=4   # 2 x 2 grid
     TF_CONFIG='{"cluster": {"worker": ["h0:2222", "h1:2222"]}, "task": {"type": "worker", "index": K}}' \
         python -m launch.train --replicas=tf_config --stages=2   # on host K, K = 0, 1
+    python -m launch.train --tpu=local --stages=4 --replicas=2  # a v3-8 TPU VM's cores
 
 TensorFlow starts quietly: TF_CPP_MIN_LOG_LEVEL is 2 unless the user set it
 (errors still show), and the messages TensorFlow's C++ libraries print while
@@ -64,7 +65,8 @@ from launch import run_lock  # noqa: E402
 from launch import signals  # noqa: E402
 from launch import supervisor  # noqa: E402
 from launch.quiet import quiet_start_up  # noqa: E402
-from launch.config import RunError, Stopped, TrainConfig  # noqa: E402
+from launch.config import TrainConfig  # noqa: E402
+from launch.errors import RunError, Stopped  # noqa: E402
 
 MODEL_NAMES = sorted(config_lib.MODEL_DATA)
 DATASETS = data_lib.BUILTIN
@@ -323,6 +325,13 @@ flags.DEFINE_string("replicas", _DEFAULTS.replicas,
                     "runs the same command with its own task and the same --model_dir, "
                     "which only the chief writes: task 0, or TF_CONFIG's chief). "
                     "--batch_size is the global batch.")
+flags.DEFINE_string("tpu", _DEFAULTS.tpu,
+                    "Stages on a TPU's cores (tf.distribute.TPUStrategy): local on a Cloud "
+                    "TPU VM, else the TPU's name or grpc:// address (TPUClusterResolver). "
+                    "Stage k runs on logical core k of each replica; --replicas=N pipelines "
+                    "share the TPU's cores; checkpoints are written from this host. Every "
+                    "batch has --batch_size rows (a pass's remainder is left out). Empty: "
+                    "no TPU.")
 flags.DEFINE_float("step_timeout", _DEFAULTS.step_timeout,
                    "With --cluster: seconds a step may stall before every worker's port is "
                    "probed; a frozen or dead worker ends the run with exit code 4, naming "

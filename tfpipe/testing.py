@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import _internal
+from tfpipe import tpu
 
 # name -> (mesh shape [x, y, z, cores per chip]); each one host's worth of chips.
 TPU_TOPOLOGIES = {
@@ -124,21 +125,8 @@ def tpu_strategy(topology="v3-8", cores_per_replica=2, num_replicas=1,
     """
     if topology not in TPU_TOPOLOGIES:
         raise ValueError(f"topology={topology!r} is not one of {sorted(TPU_TOPOLOGIES)}.")
-    mesh = TPU_TOPOLOGIES[topology]
-    cores = int(np.prod(mesh))
-    per_chip = mesh[3]
-    shapes = {k: [1, 1, 1, k] if k <= per_chip else
-              ([1, k // per_chip, 1, per_chip] if k // per_chip <= mesh[1] else
-               [k // (per_chip * mesh[1]), mesh[1], 1, per_chip])
-              for k in (1, 2, 4, 8) if k <= cores}
-    if cores_per_replica not in shapes or num_replicas < 1 or \
-            cores_per_replica * num_replicas > cores:
-        raise ValueError(
-            f"cores_per_replica={cores_per_replica!r} x num_replicas={num_replicas!r} does not "
-            f"fit {topology}'s {cores} cores; cores_per_replica takes {sorted(shapes)}.")
-    assignment = tf.tpu.experimental.DeviceAssignment.build(
-        _topology(mesh), computation_shape=shapes[cores_per_replica],
-        num_replicas=num_replicas)
+    assignment = tpu.device_assignment(_topology(TPU_TOPOLOGIES[topology]),
+                                       cores_per_replica, num_replicas)
     return tf.distribute.TPUStrategy(_TracingOnlyResolver(assignment.topology),
                                      experimental_device_assignment=assignment,
                                      experimental_spmd_xla_partitioning=spmd_xla_partitioning)

@@ -83,6 +83,34 @@ def stage_cores(device_assignment, num_stages):
     return tuple(result)
 
 
+def device_assignment(topology, cores_per_replica, num_replicas=1):
+    """A `tf.tpu.experimental.DeviceAssignment` that gives each of
+    `num_replicas` replicas `cores_per_replica` (K) cores of `topology` (a
+    `tf.tpu.experimental.Topology`, e.g. `initialize_tpu_system`'s), for a
+    pipeline of one stage per core: the cores of one chip first, then
+    neighbouring chips along y, then along x, so that stage k + 1 sits next
+    to stage k. Raises ValueError when K x R does not fit."""
+    mesh = [int(n) for n in topology.mesh_shape]  # [x, y, z, cores per chip]
+    x_size, y_size, _, per_chip = mesh
+    cores = int(np.prod(mesh))
+    shapes = {}
+    for k in (2**n for n in range(cores.bit_length())):
+        chips = max(1, k // per_chip)
+        shape = ([1, 1, 1, k] if k <= per_chip else [1, chips, 1, per_chip]
+                 if chips <= y_size else [chips // y_size, y_size, 1, per_chip])
+        if int(np.prod(shape)) == k and shape[0] <= x_size and not x_size % shape[0]:
+            shapes[k] = shape
+    if cores_per_replica not in shapes or isinstance(num_replicas, bool) or \
+            not isinstance(num_replicas, int) or num_replicas < 1 or \
+            cores_per_replica * num_replicas > cores:
+        raise ValueError(
+            f"cores_per_replica={cores_per_replica!r} x num_replicas={num_replicas!r} does "
+            f"not fit a {'x'.join(map(str, mesh))} TPU topology's {cores} cores; "
+            f"cores_per_replica takes {sorted(shapes)}, and their product at most {cores}.")
+    return tf.tpu.experimental.DeviceAssignment.build(
+        topology, computation_shape=shapes[cores_per_replica], num_replicas=num_replicas)
+
+
 def is_tpu_strategy(strategy):
     """Whether `strategy` is a `tf.distribute.TPUStrategy` (any version)."""
     kinds = tuple(k for k in (getattr(tf.distribute, "TPUStrategy", None),

@@ -201,9 +201,32 @@ def test_tpu_strategy_on_cpu_traces_a_replicated_program_on_k_cores(topology, co
 
 @pytest.mark.parametrize("args, message", [
     (("v2-8", 2, 1), r"topology='v2-8' is not one of \['v3-8', 'v5e-8'\]"),
-    (("v3-8", 3, 1), r"cores_per_replica=3 x num_replicas=1 does not fit v3-8's 8 cores"),
+    (("v3-8", 3, 1), r"cores_per_replica=3 x num_replicas=1 does not fit a 2x2x1x2 TPU topology's 8 cores; "
+                     r"cores_per_replica takes \[1, 2, 4, 8\]"),
     (("v3-8", 4, 4), r"cores_per_replica=4 x num_replicas=4 does not fit"),
 ])
 def test_tpu_strategy_refuses_what_the_host_cannot_hold(args, message):
     with pytest.raises(ValueError, match=message):
         tfpipe.testing.tpu_strategy(*args)
+
+
+V5E8 = ([2, 4, 1, 1], (2, 4))  # one host, 8 chips x 1 core (a v5e-8)
+
+
+@pytest.mark.parametrize("mesh, k, r", [(V38, 1, 8), (V38, 2, 4), (V38, 4, 2), (V38, 8, 1),
+                                        (V5E8, 2, 4), (V5E8, 8, 1), (POD, 16, 2)])
+def test_device_assignment_puts_each_stage_beside_the_one_before(mesh, k, r):
+    cores = tpu.stage_cores(tpu.device_assignment(_topology(*mesh), k, r), k)
+    assert [len(row) for row in cores] == [k] * r
+    assert len({(c.task, c.ordinal) for row in cores for c in row}) == k * r
+    for row in cores:  # on the same chip (0) or on a neighbouring one (1)
+        assert {sum(abs(a - b) for a, b in zip(c.coordinates[:3], d.coordinates[:3]))
+                for c, d in zip(row, row[1:])} <= {0, 1}
+
+
+@pytest.mark.parametrize("k, r", [(3, 1), (4, 4), (2, 0)])
+def test_device_assignment_refuses_what_the_topology_cannot_hold(k, r):
+    with pytest.raises(ValueError, match=rf"cores_per_replica={k} x num_replicas={r} does not "
+                                         rf"fit a 2x2x1x2 TPU topology's 8 cores; "
+                                         rf"cores_per_replica takes \[1, 2, 4, 8\]"):
+        tpu.device_assignment(_topology(*V38), k, r)

@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from launch import checkpoints
 from launch import config as config_lib
+from launch import errors
 from launch import outputs
 from launch import run_lock
 from launch import segments
@@ -274,7 +275,7 @@ def test_resume_refuses_and_changes_nothing(tmp_path, cut_run, damage, changes, 
     if damage is not None:
         damage(ckpt)
     before = runs.tree(model_dir)
-    with pytest.raises(config_lib.RunError) as err:
+    with pytest.raises(errors.RunError) as err:
         train_lib.train(runs.config(model_dir, resume=True, **changes))
     assert str(err.value) == message(ckpt).format(half6=size6 // 2, size6=size6)
     assert err.value.exit_code == 1
@@ -358,7 +359,7 @@ _NONE_LEFT = (
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_finite_checkpoint(tmp_path):
     """Diverged from the first update: ckpt-1's weights are finite but already
     lead to a NaN, so it is set aside and the advice is a fresh start."""
-    with pytest.raises(config_lib.Diverged) as err:
+    with pytest.raises(errors.Diverged) as err:
         train_lib.train(runs.config(tmp_path, learning_rate=1e9, checkpoint_every=1))
     ckpt = tmp_path / "checkpoints"
     assert str(err.value) == _NONE_LEFT.format(ckpt=ckpt)
@@ -401,7 +402,7 @@ class _PoisonAdamSlot(keras.callbacks.Callback):
 
 def test_non_finite_weights_are_never_saved(tmp_path):
     poison = _PoisonAdamSlot(at=2)
-    with pytest.raises(config_lib.Diverged) as err:
+    with pytest.raises(errors.Diverged) as err:
         train_lib.train(runs.config(tmp_path, checkpoint_every=1), callbacks=[poison])
     ckpt = tmp_path / "checkpoints"
     assert re.fullmatch(
@@ -427,7 +428,7 @@ def test_the_divergence_advice_trains_past_the_failing_step(tmp_path):
     names ckpt-5 (ckpt-6's weights led there: set aside) and the rate that
     trained it; following it trains past step 7 to the end, every loss finite."""
     train_lib.train(runs.config(tmp_path, checkpoint_every=1, epochs=1))
-    with pytest.raises(config_lib.Diverged) as err:
+    with pytest.raises(errors.Diverged) as err:
         train_lib.train(runs.config(tmp_path, checkpoint_every=1, resume=True,
                                     learning_rate=1e9))
     ckpt = tmp_path / "checkpoints"
@@ -454,7 +455,7 @@ def test_a_second_run_on_a_busy_model_dir_stops_at_once(tmp_path):
     with run_lock.RunLock(tmp_path) as lock:
         holder = (tmp_path / run_lock.LOCK_FILE).read_text().strip()
         assert holder.startswith(f"pid {os.getpid()} on {socket.gethostname()}, since ")
-        with pytest.raises(config_lib.ModelDirBusy) as err:
+        with pytest.raises(errors.ModelDirBusy) as err:
             train_lib.train(runs.config(tmp_path))
         assert str(err.value) == (
             f"--model_dir={tmp_path} is in use by another run ({holder}); two runs in one "
@@ -481,7 +482,7 @@ def test_the_lock_of_a_killed_run_is_taken_over(tmp_path):
         assert proc.stdout.readline().strip() == "locked"
         holder = (tmp_path / run_lock.LOCK_FILE).read_text().strip()
         assert holder.startswith(f"pid {proc.pid} on ")
-        with pytest.raises(config_lib.ModelDirBusy, match=f"kill {proc.pid}"):
+        with pytest.raises(errors.ModelDirBusy, match=f"kill {proc.pid}"):
             run_lock.RunLock(tmp_path).acquire()
     finally:
         os.killpg(proc.pid, signal.SIGKILL)

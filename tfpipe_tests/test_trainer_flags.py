@@ -10,6 +10,7 @@ import time
 import pytest
 
 from launch import config as config_lib
+from launch import errors
 from launch import data as data_lib
 from launch import train as train_lib
 from tfpipe import actions
@@ -108,7 +109,16 @@ BAD_FLAGS = [
                          "form --name=value; --helpfull lists them)"),
     ("--batch_size=99999999999999", "flag --batch_size=99999999999999: must be at most "
                                     "2**31 - 1 (rows per training step), got 99999999999999"),
-    ("--stages=8", "flags stages=8, schedule=gpipe, replicas=1, logical_cpus=4, cluster=: "
+    ("--tpu=local --cluster=local:2 --stages=2",
+     "flags tpu=local, cluster=local:2, replicas=1, microbatches=4, batch_size=64: --tpu=local "
+     "with --cluster=local:2: a TPU's replicas are its own cores, placed by TPUStrategy. Use "
+     "--tpu alone (--replicas=N for N pipelines on the TPU's cores), or --cluster=local:2 "
+     "without --tpu."),
+    ("--tpu=my_tpu --replicas=2 --batch_size=12",
+     "flags tpu=my_tpu, cluster=, replicas=2, microbatches=4, batch_size=12: --tpu=my_tpu "
+     "compiles one program per replica, so every micro-batch has one static size: "
+     "--batch_size=12 must be a multiple of --microbatches x --replicas = 4 x 2 = 8."),
+    ("--stages=8", "flags stages=8, schedule=gpipe, replicas=1, logical_cpus=4, cluster=, tpu=: "
                    "--stages=8 with --schedule=gpipe needs 8 devices, but --logical_cpus=4 "
                    "(and there is no GPU). Use --logical_cpus=8."),
 ]
@@ -156,7 +166,7 @@ def test_a_bad_flag_is_one_line_before_tensorflow_starts(tmp_path, flags_, line)
         "fewer_examples_than_microbatches", "more_devices_than_logical_cpus",
         "more_replicas_than_logical_cpus", "tfds_data_set_missing"])
 def test_a_bad_train_config_raises_a_run_error(tmp_path, changes, message):
-    with pytest.raises(config_lib.RunError) as err:
+    with pytest.raises(errors.RunError) as err:
         train_lib.train(_config(tmp_path / "run", **changes))
     assert str(err.value) == message
 
@@ -166,9 +176,9 @@ def test_flag_choices_match_the_library():
 
     assert config_lib.RECOMPUTE_MODES[1:] == actions.RECOMPUTE_MODES
     assert config_lib.EXECUTIONS[1:] == tuple(tfpipe.config.EXECUTIONS)
-    from launch import trainer  # pylint: disable=import-outside-toplevel
+    from launch import model_specs  # pylint: disable=import-outside-toplevel
 
-    assert sorted(trainer.MODELS) == train_lib.MODEL_NAMES
+    assert sorted(model_specs.MODELS) == train_lib.MODEL_NAMES
     assert set(data_lib.BUILTIN_KINDS) == set(data_lib.BUILTIN)
     for name, kind in data_lib.BUILTIN_KINDS.items():  # what the flag check assumes
         assert data_lib.load(name, max_examples=2).kind == kind

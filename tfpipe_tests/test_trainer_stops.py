@@ -21,6 +21,7 @@ import pytest
 
 from launch import checkpoints
 from launch import config as config_lib
+from launch import errors
 from launch import outputs
 from launch import run_lock
 from launch import train as train_lib
@@ -168,7 +169,7 @@ _HOLDS = ("--model_dir={d} holds a previous run (3 checkpoint(s), the newest at 
 def test_a_fresh_run_into_a_previous_run_is_refused_and_changes_nothing(tmp_path, reference):
     model_dir = _previous_run_with_other_files(tmp_path, reference)
     before = runs.tree(model_dir)
-    with pytest.raises(config_lib.RunError) as err:
+    with pytest.raises(errors.RunError) as err:
         train_lib.train(runs.config(model_dir))
     assert str(err.value) == _HOLDS.format(d=model_dir) and err.value.exit_code == 1
     assert runs.tree(model_dir) == before
@@ -290,7 +291,7 @@ def test_a_run_whose_lock_file_went_stops_before_its_next_save(tmp_path):
     """Deleting .lock lets another run lock a new file: this one must not write on."""
     deleter = _DeleteTheLock()
     deleter.model_dir = tmp_path
-    with pytest.raises(config_lib.RunError, match=r"its lock file .*\.lock was deleted or "
+    with pytest.raises(errors.RunError, match=r"its lock file .*\.lock was deleted or "
                                                   r"replaced during this run.*Stopped before "
                                                   r"saving"):
         train_lib.train(runs.config(tmp_path), callbacks=[deleter])
