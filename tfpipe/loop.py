@@ -85,39 +85,38 @@ class LoopStore:
             return tf.nest.map_structure(
                 lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, structure)
 
-    def stage_input(self, k, m):
+    def _stage_input(self, k, m):
         if k == 0:
             return self.step.batch.micro(m)[0]
         return _read(self.st["acts"][k], self.step.interfaces[k - 1].specs, m)
 
-    def put_output(self, k, m, out):
-        step = self.step
-        if k < step.num_stages - 1:
-            self.st["acts"][k + 1] = _write(self.st["acts"][k + 1], out, m)
-        else:
-            packed = boundary.pack(out, step.interfaces[k])
-            self.st["outs"] = _write(self.st["outs"], step.batch.split.keep_real(packed, m), m)
+    def forward_input(self, d, k, m):
+        return self.begin(d, self._stage_input(k, m))
 
-    def keep(self, k, m, kept, moments):
-        self.st["seeds"][k] = [ta.write(m, s) for ta, s in zip(self.st["seeds"][k],
-                                                               kept.seeds)]
-        if moments:
-            self.st["bn"][k] = [ta.write(m, t) for ta, t in zip(
-                self.st["bn"][k], [t for c in moments for t in (c.count, c.mean, c.variance)])]
+    def put_forward(self, d, k, m, result):
+        step, st = self.step, self.st
+        if k < step.num_stages - 1:
+            st["acts"][k + 1] = _write(st["acts"][k + 1], result.out, m)
+        else:
+            packed = boundary.pack(result.out, step.interfaces[k])
+            st["outs"] = _write(st["outs"], step.batch.split.keep_real(packed, m), m)
+        if result.kept is not None:  # a training step: the input is re-read from acts
+            st["seeds"][k] = [ta.write(m, s) for ta, s in zip(st["seeds"][k],
+                                                              result.kept.seeds)]
+        if result.kept is not None and result.moments:
+            st["bn"][k] = [ta.write(m, t) for ta, t in zip(st["bn"][k], [
+                t for c in result.moments for t in (c.count, c.mean, c.variance)])]
+        if result.extra is not None:
+            st["extra"][d] = st["extra"][d] + tf.cast(result.extra, st["extra"][d].dtype)
+        if result.parts:
+            st["num"] = [acc + tf.cast(s, acc.dtype)
+                         for acc, (s, _, _) in zip(st["num"], result.parts)]
+            st["div"] = [acc if dp is None else acc + tf.cast(dp, acc.dtype)
+                         for acc, (_, dp, _) in zip(st["div"], result.parts)]
 
     def take_kept(self, k, m):
-        return stage_lib.Replay(self.stage_input(k, m),
+        return stage_lib.Replay(self._stage_input(k, m),
                                 [ta.read(m) for ta in self.st["seeds"][k]])
-
-    def add_loss(self, d, parts, extra):
-        st = self.st
-        if extra is not None:
-            st["extra"][d] = st["extra"][d] + tf.cast(extra, st["extra"][d].dtype)
-        if parts:
-            st["num"] = [acc + tf.cast(s, acc.dtype)
-                         for acc, (s, _, _) in zip(st["num"], parts)]
-            st["div"] = [acc if dp is None else acc + tf.cast(dp, acc.dtype)
-                         for acc, (_, dp, _) in zip(st["div"], parts)]
 
     def loss_seeds(self, plan, scale):
         return [s * scale for s in plan.seeds(_divisor_sums(self.st, self.step))]
@@ -135,7 +134,7 @@ class LoopStore:
         return grads
 
     def put_input_gradients(self, k, m, grads):
-        sources = runtime.float_leaves(self.stage_input(k, m))
+        sources = runtime.float_leaves(self._stage_input(k, m))
         packed = [tf.zeros_like(t) if g is None else tf.convert_to_tensor(g)
                   for t, g, c in zip(sources, grads, self.step.interfaces[k].inputs_connected)
                   if c]

@@ -31,21 +31,17 @@ class Store(typing.Protocol):
         """`structure` gated for an action on device d (ordering, timeline);
         `release`: held ops that may run from now on."""
 
-    def stage_input(self, k, m):
-        """Stage k's packed input boundary (stage 0: the micro-batch's x)."""
+    def forward_input(self, d, k, m):
+        """Stage k's packed input boundary for F(k, m) on device d (stage 0:
+        the micro-batch's x), gated as `begin` gates."""
 
-    def put_output(self, k, m, out):
-        """Stage k's output (packed, except the last stage's)."""
-
-    def keep(self, k, m, kept, moments):
-        """What F(k, m)'s backward needs (`Replay`, `Taped`) and its
-        BatchNorm moments."""
+    def put_forward(self, d, k, m, result):
+        """What F(k, m) made (a `tfpipe.stage.Forward`): its output (packed,
+        except the last stage's), what its backward needs and its BatchNorm
+        moments (in a training step), its loss parts and weighted call losses."""
 
     def take_kept(self, k, m):
-        """What `keep` kept for F(k, m)."""
-
-    def add_loss(self, d, parts, extra):
-        """The last stage's loss parts; a stage's weighted call losses."""
+        """What `put_forward` kept for F(k, m)'s backward (`Replay`, `Taped`)."""
 
     def loss_seeds(self, plan, scale):
         """The seeds of the last stage's loss numerators (`loss.Plan.seeds`)."""
@@ -123,12 +119,8 @@ class Interpreter:
         return self.backward(store, d, k, m, kind)
 
     def forward(self, store, d, k, m):
-        packed = store.begin(d, store.stage_input(k, m))
-        result = self.stages[k].forward(m, packed)
-        if self.backward_step:
-            store.keep(k, m, result.kept, result.moments)
-        store.add_loss(d, result.parts, result.extra)
-        store.put_output(k, m, result.out)
+        result = self.stages[k].forward(m, store.forward_input(d, k, m))
+        store.put_forward(d, k, m, result)
         return Produced(result.produced)
 
     def backward(self, store, d, k, m, kind):

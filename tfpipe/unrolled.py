@@ -58,28 +58,26 @@ class UnrolledStore:
                 self.start = _internal.unordered_timestamp()
             with tf.control_dependencies([self.start]):
                 structure = _identity(structure)
-        gate = self.start if self.timeline is not None else (
-            self.last[d] if self.enforce_order else None)
-        stage_lib.release(list(release), gate)
+        if release:  # a W: its held half waits for the gate
+            gate = self.start if self.timeline is not None else (
+                self.last[d] if self.enforce_order else None)
+            stage_lib.release(list(release), gate)
         return structure
 
-    def stage_input(self, k, m):
-        return self.batch.micro(m)[0] if k == 0 else self.acts.pop((k, m))
+    def forward_input(self, d, k, m):
+        return self.begin(d, self.batch.micro(m)[0] if k == 0 else self.acts.pop((k, m)))
 
-    def put_output(self, k, m, out):
+    def put_forward(self, d, k, m, result):
         if k == self.step.num_stages - 1:
-            self.outputs[m] = out
+            self.outputs[m] = result.out
         else:
-            self.acts[(k + 1, m)] = out
-
-    def keep(self, k, m, kept, moments):
-        self.kept[(k, m)] = kept
-        self.bn_calls[k][m] = moments
-
-    def add_loss(self, d, parts, extra):
-        if extra is not None:
-            self.extras.append(extra)
-        for j, (s, divisor, _) in enumerate(parts):
+            self.acts[(k + 1, m)] = result.out
+        if result.kept is not None:  # a training step
+            self.kept[(k, m)] = result.kept
+            self.bn_calls[k][m] = result.moments
+        if result.extra is not None:
+            self.extras.append(result.extra)
+        for j, (s, divisor, _) in enumerate(result.parts):
             self.numerators[j].append(s)
             self.divisors[j].append(divisor)
 

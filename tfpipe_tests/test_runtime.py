@@ -66,21 +66,16 @@ class FakeStore:
         self.released += list(release)
         return structure
 
-    def stage_input(self, k, m):
+    def forward_input(self, d, k, m):
         return self.inputs[m] if k == 0 else self.acts.pop((k, m))
 
-    def put_output(self, k, m, out):
+    def put_forward(self, d, k, m, result):
         if k < self.num_stages - 1:
-            self.acts[(k + 1, m)] = out
-
-    def keep(self, k, m, kept, moments):
-        self.kept[(k, m)] = kept
+            self.acts[(k + 1, m)] = result.out
+        self.kept[(k, m)] = result.kept
 
     def take_kept(self, k, m):
         return self.kept[(k, m)]
-
-    def add_loss(self, d, parts, extra):
-        pass
 
     def loss_seeds(self, plan, scale):
         return [1.0]  # d(sum of outputs) / d output
