@@ -129,7 +129,7 @@ def check_placement(devices, size):
         slots = [s for s in model.optimizer.variables
                  if any(s.path.endswith((f"{n}_momentum", f"{n}_velocity")) for n in names)]
         bad = placement.misplaced_variables(own + slots, device)
-        rows.append(dict(stage=k, device=device, variables=len(own), slots=len(slots),
+        rows.append(dict(stage=k, device=str(device), variables=len(own), slots=len(slots),
                          misplaced=bad, placed=not bad and len(slots) == 2 * len(own)))
     return rows
 

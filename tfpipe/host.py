@@ -55,7 +55,7 @@ class PipelineHost:
     def pipeline_devices(self, num_stages, schedule=None, replica=0):
         """(devices, stage_devices) for a model of `num_stages` stages: the D
         slots replica `replica`'s pipeline uses and the one holding each
-        stage. `schedule` defaults to the host's. Raises ValueError if it
+        stage, as `tfpipe.devices.StageDevice`s. `schedule` defaults to the host's. Raises ValueError if it
         cannot place them here."""
         schedule = self._config.schedule if schedule is None else schedules.get(schedule)
         placed = schedules.stage_devices(schedule, num_stages, self._stage_slots(replica))

@@ -98,7 +98,8 @@ class PipelinedModel(keras_config.KerasConfig, keras_calls.KerasCalls, _internal
         strategy = self._pipeline_strategy
         devices, stage_devices = strategy.pipeline_devices(len(self.stages), config.schedule)
         self._pipeline_config = config
-        # The D devices the schedule runs on; stage k lives on stage_devices[k].
+        # The D devices the schedule runs on; stage k lives on stage_devices[k]. Both
+        # hold `tfpipe.devices.StageDevice`s, whatever the host's kind.
         self.pipeline_devices, self.stage_devices = devices, stage_devices
         # One pipeline per data-parallel replica; replica 0's is `self.pipeline`.
         self.replica_pipelines = [

@@ -12,6 +12,7 @@ import keras
 import tensorflow as tf
 
 from tfpipe import _internal
+from tfpipe import devices as devices_lib
 
 
 def available_devices(device_type=None):
@@ -47,7 +48,7 @@ _LOCAL_JOB = "localhost"
 def _full_spec(name):
     """(job, replica, task, device type, index) of a device name, a missing job
     meaning this process (`/job:localhost/replica:0/task:0`)."""
-    spec = tf.DeviceSpec.from_string(name)
+    spec = tf.DeviceSpec.from_string(str(name))
     return (spec.job or _LOCAL_JOB, spec.replica or 0, spec.task or 0,
             (spec.device_type or "").upper(), spec.device_index or 0)
 
@@ -68,7 +69,10 @@ def canonical_device(name):
     """Resolves a device string to the name TensorFlow lists for that device
     (`"cpu:1"` and `"/job:localhost/replica:0/task:0/device:CPU:1"` give
     `"/device:CPU:1"` on one machine). Raises ValueError if no logical device,
-    or several tasks' devices, match (TensorFlow would silently take CPU:0)."""
+    or several tasks' devices, match (TensorFlow would silently take CPU:0).
+    A `tfpipe.devices.StageDevice` stands for its name."""
+    if isinstance(name, devices_lib.StageDevice):
+        name = name.name
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"A device must be a non-empty string, got {name!r}.")
     try:
@@ -116,7 +120,7 @@ def misplaced_variables(variables, device):
     `device` may be a list of R devices, one per data-parallel replica: then
     each variable must be mirrored with copy r on `device[r]`.
     """
-    wanted = list(device) if isinstance(device, (list, tuple)) else [device]
+    wanted = [str(d) for d in (device if isinstance(device, (list, tuple)) else [device])]
     bad = []
     for v in variables:
         have = [c.device for c in _internal.local_copies(v)]
@@ -151,7 +155,7 @@ def place_variables(stages, stage_devices):
                     continue
             elif misplaced_variables([v], device):
                 first = device[0] if isinstance(device, (list, tuple)) else device
-                _internal.move_variable(v, tf.device(first))
+                _internal.move_variable(v, tf.device(str(first)))
             bad = misplaced_variables([v], wanted)
             if bad:  # TensorFlow fell back to another device: never go on
                 raise RuntimeError(f"tfpipe placement bug: stage {k} variable {bad[0]}.")

@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tfpipe import _internal_distribute
 from tfpipe import config as config_lib
+from tfpipe import devices as devices_lib
 from tfpipe import host
 from tfpipe import placement
 from tfpipe import tpu
@@ -128,7 +129,7 @@ class PipelineStrategy(host.PipelineHost, tf.distribute.Strategy):
         return self.num_replicas_in_sync
 
     def _stage_slots(self, replica):
-        return self._grid[replica]
+        return tuple(devices_lib.as_stage_device(name) for name in self._grid[replica])
 
     def _too_many_stages(self, num_stages, most, count):
         return (f"{num_stages} stages but the strategy has only {most} stage slots on "

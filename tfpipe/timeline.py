@@ -333,7 +333,7 @@ def record_step(model, x, y=None, sample_weight=None, repeats=2):
                                    weight_cost=weight)
     ideal = schedules.simulate(model.schedule, m_count, d_count)
     predicted_overlap = overlap_ms([[(s, e) for _, s, e in row] for row in predicted.timeline])
-    return Timeline(events, list(model.pipeline_devices), model.schedule.name, m_count,
+    return Timeline(events, [str(d) for d in model.pipeline_devices], model.schedule.name, m_count,
                     measured_bubble=1.0 - busy / (d_count * span) if span else 0.0,
                     predicted_bubble=predicted.bubble_fraction,
                     ideal_bubble=ideal.bubble_fraction,

@@ -249,7 +249,7 @@ def child_placement():
                      or s.path.endswith(v.path.replace("/", "_") + "_velocity")]
                  for k, st in enumerate(remote.stages)}
         result = {
-            "devices": list(remote.stage_devices),
+            "devices": [str(d) for d in remote.stage_devices],
             "misplaced": [placement.misplaced_variables(st.weights + slots[k], d)
                           for k, (st, d) in enumerate(zip(remote.stages, workers))],
             # Stage 1's variables checked against task 0's CPU:0: same type and index.

@@ -69,7 +69,7 @@ def _assert_placed(model):
         assert slots, var.path
         for v in [var] + slots:
             assert tf.DeviceSpec.from_string(v.value.device).device_index == \
-                tf.DeviceSpec.from_string(home).device_index, (v.path, v.value.device, home)
+                tf.DeviceSpec.from_string(str(home)).device_index, (v.path, v.value.device, home)
 
 
 def _through_keras_file(trained, k, tmp_path):

@@ -159,7 +159,7 @@ def test_a_layer_called_twice_is_one_object_in_every_stage_that_calls_it():
     # Stored once, on the first stage's device; both stages use it.
     assert [v.path for v in pipelined.pipeline.variables].count("tied/kernel") == 1
     assert pipelined.pipeline.stage_of_variables()[0] == [0, 1]
-    assert tfpipe.placement.device_of(dense.kernel).endswith(pipelined.stage_devices[0][-5:])
+    assert tfpipe.placement.device_of(dense.kernel).endswith(str(pipelined.stage_devices[0])[-5:])
 
 
 def test_wrong_input_structure_names_the_stage():

@@ -14,7 +14,7 @@ from tfpipe_tests import helpers
 
 
 def _spec(device):
-    spec = tf.DeviceSpec.from_string(device)
+    spec = tf.DeviceSpec.from_string(str(device))
     return spec.device_type, spec.device_index
 
 
