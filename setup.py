@@ -9,7 +9,6 @@ another):
     pip install '.[tpu]'      the same with tensorflow-tpu (a Cloud TPU VM; add
                               -f https://storage.googleapis.com/libtpu-releases/index.html)
     pip install .             Keras and absl-py only: for a TensorFlow installed first
-    pip install '.[plot]'    + matplotlib, for `tfpipe.timeline` Gantt charts
     pip install '.[train]'   + what `launch/` (the trainer) and `benchmarks/` import:
                              TensorBoard, TensorFlow Datasets, scikit-learn, matplotlib
     pip install '.[test]'    [train] + pytest, pytest-xdist + keras-hub's small dependencies
@@ -33,13 +32,12 @@ TENSORFLOW = {  # extra -> the TensorFlow package for that machine
     "tpu": f"tensorflow-tpu=={TF_VERSION}",
 }
 
-PLOT = ["matplotlib"]
 TRAIN = [
     "tensorboard",  # TensorBoard logs of launch.train
     "tensorflow-datasets",  # --dataset=tfds:NAME
     "importlib_resources",  # tensorflow-datasets 4.9.10 imports it without listing it
     "scikit-learn",  # ships the digits data set the default training run uses
-    *PLOT,  # the loss curve (loss.png) and the timeline chart of launch.train
+    "matplotlib",  # the loss curve (loss.png) and the timeline chart of launch.train
 ]
 # keras-hub itself (and tensorflow-text, which would pull the full `tensorflow`
 # package beside tensorflow-cpu) install with --no-deps; these are their small
@@ -57,7 +55,6 @@ setup(
     install_requires=["keras>=3.15,<4", "absl-py"],
     extras_require={
         **{extra: [package] for extra, package in TENSORFLOW.items()},
-        "plot": PLOT,
         "train": TRAIN,
         "test": [*TRAIN, "pytest", "pytest-xdist", *KERAS_HUB_DEPS],
     },

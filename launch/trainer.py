@@ -46,6 +46,7 @@ from launch import model_specs
 from launch import restart
 from launch import run_devices
 from launch import signals
+from launch import timeline_chart
 from launch.errors import Diverged, RunError, Stopped, WorkerLost
 
 
@@ -273,7 +274,8 @@ def _callbacks(run, before_save, start_step):
         pipeline_board = model_dir / history_lib.TENSORBOARD_DIR / "pipeline"
         made.timeline = tfpipe.timeline.PipelineTimeline(
             data.x_train[: config.batch_size], data.y_train[: config.batch_size],
-            log_dir=str(model_dir / outputs.TIMELINE_DIR), tensorboard_dir=str(pipeline_board))
+            log_dir=str(model_dir / outputs.TIMELINE_DIR), tensorboard_dir=str(pipeline_board),
+            chart=timeline_chart.png)
         for suffix in (".json", ".png"):  # the names it will write, at the last epoch
             record.add(model_dir / outputs.TIMELINE_DIR / f"timeline_epoch{config.epochs}{suffix}")
         made.board_files = {entry.name for entry in outputs.entries(pipeline_board)}

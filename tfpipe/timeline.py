@@ -4,14 +4,15 @@
 each action inside the running step (`tf.timestamp()`, host clock) when it
 starts and ends; the stamps are not chained to each other
 (`_internal.unordered_timestamp`), so two devices' actions overlap exactly
-when they ran at once. A `Timeline` holds the figures (`FIGURES`) and draws a
-Chrome trace and a Gantt chart; `PipelineTimeline` records one during `fit`.
+when they ran at once. A `Timeline` holds the figures (`FIGURES`) and writes a
+Chrome trace (chrome://tracing or Perfetto draws it as a Gantt chart);
+`PipelineTimeline` records one during `fit`. (`launch.timeline_chart` draws
+a PNG Gantt chart with matplotlib, for the trainer; the library needs none.)
 On GPUs the stamps mark when the executor saw the kernels' inputs and
 outputs, not when the kernels ran (use the TensorFlow profiler there).
 """
 
 import dataclasses
-import io
 import json
 import os
 
@@ -36,9 +37,6 @@ FIGURES = {
         "stage costs (0: the schedule never runs two devices at once)",
 }
 
-# Bar colours per action kind, and the text colour that reads on each.
-_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#8c8c8c"}
-_DPI = 110
 
 
 @dataclasses.dataclass
@@ -95,9 +93,9 @@ class Timeline:
         """The figures in one line (the trainer prints it)."""
         return (f"measured bubble {self.measured_bubble:.1%}; predicted from measured stage "
                 f"costs {self.predicted_bubble:.1%}; schedule's ideal with F=1, B=2: "
-                f"{self.ideal_bubble:.1%}; {self._overlap_text()}")
+                f"{self.ideal_bubble:.1%}; {self.overlap_text()}")
 
-    def _overlap_text(self):
+    def overlap_text(self):
         if len(self.devices) < 2:
             return "overlap: none possible (one device)"
         if self.predicted_overlap_ms <= 0.0:
@@ -134,111 +132,6 @@ class Timeline:
             json.dump({"traceEvents": trace, "displayTimeUnit": "ms",
                        "otherData": self.metadata()}, f)
         return path
-
-    def figure(self):
-        """The Gantt chart as a matplotlib `Figure` (Agg canvas, no pyplot): a
-        row per device, a bar per action coloured by kind, the figures in a
-        caption, and a bar's label ("B0.2") only where it fits."""
-        try:  # an extra: the library itself needs only TensorFlow and Keras
-            # pylint: disable=import-outside-toplevel
-            from matplotlib import figure as mpl_figure
-            from matplotlib import patches
-            from matplotlib.backends import backend_agg
-        except ImportError as err:
-            raise ImportError("Timeline.plot draws with matplotlib, which is not installed: "
-                              "pip install 'tfpipe[plot]' (or matplotlib)") from err
-
-        d_count = len(self.devices)
-        title = (f"{self.schedule}, M={self.num_microbatches}, {d_count} device(s): one "
-                 f"measured training step, {self.span_ms:.2f} ms"
-                 + (" (all devices at once)" if d_count > 1 else ""))
-        overlap = self._overlap_text()
-        caption = [
-            f"Bubble: measured {self.measured_bubble:.1%} (idle share of the devices over the "
-            f"span); predicted from measured stage costs {self.predicted_bubble:.1%} (the "
-            f"schedule simulated with these F/B/I/W times);",
-            f"schedule's ideal with F=1, B=2: {self.ideal_bubble:.1%} (the schedule alone). "
-            f"{overlap[0].upper() + overlap[1:]}.",
-            "A bar runs from the action's start (inputs ready, device free) to its outputs "
-            "existing (host clock). Labels: kind stage.micro-batch, drawn where they fit.",
-        ]
-        # Inches: title, rows, x axis, legend, caption lines.
-        top, row, axis, legend, line = 0.35, 0.55, 0.42, 0.3, 0.17
-        below = axis + legend + line * len(caption) + 0.08
-        height = top + max(row * d_count, 1.0) + below
-        fig = mpl_figure.Figure(figsize=(10, height), dpi=_DPI)
-        backend_agg.FigureCanvasAgg(fig)
-        ax = fig.add_axes((0.1, below / height, 0.88, 1 - (below + top) / height))
-        ax.set_title(title, fontsize=9)
-        span_end = max((e.end_ms for e in self.events), default=1.0)
-        ax.set_xlim(0, span_end if span_end > 0 else 1.0)
-        ax.set_ylim(d_count - 0.5, -0.5)  # device 0 on top
-        ax.set_yticks(range(d_count))
-        ax.set_yticklabels([f"device {d}" for d in range(d_count)], fontsize=8)
-        ax.tick_params(axis="x", labelsize=8)
-        ax.set_xlabel("time in the step (ms)", fontsize=8)
-        for d in range(d_count):
-            for kind, colour in _COLOURS.items():
-                bars = [(e.start_ms, max(e.end_ms - e.start_ms, 1e-9)) for e in self.events
-                        if e.device == d and e.kind == kind]
-                if bars:
-                    ax.broken_barh(bars, (d - 0.4, 0.8), facecolors=colour,
-                                   edgecolor="white", linewidth=0.5)
-        kinds = sorted({e.kind for e in self.events}, key="FBIW".index)
-        axes_height = height * ax.get_position().height  # inches
-        ax.legend(handles=[patches.Patch(facecolor=_COLOURS[k],
-                                         label=f"{k}: {actions.KINDS[k].description}")
-                           for k in kinds],
-                  loc="upper center", bbox_to_anchor=(0.5, -axis / axes_height),
-                  ncol=len(kinds), fontsize=8, frameon=False)
-        for i, text in enumerate(caption):
-            fig.text(0.01, (line * (len(caption) - i - 1) + 0.06) / height, text,
-                     fontsize=7.5, va="bottom")
-        self._label_bars(fig, ax)
-        return fig
-
-    def _label_bars(self, fig, ax):
-        """Adds each bar's label if its rendered extent fits inside the bar."""
-        renderer = fig.canvas.get_renderer()
-        pad = 2.0  # pixels kept free on each side
-        for e in self.events:
-            (x0, y0), (x1, y1) = ax.transData.transform(
-                [(e.start_ms, e.device - 0.4), (e.end_ms, e.device + 0.4)])
-            width, height = abs(x1 - x0), abs(y1 - y0)
-            if width < 2 * pad + 4:  # no character fits: skip the measuring
-                continue
-            text = ax.text((e.start_ms + e.end_ms) / 2, e.device, e.name, ha="center",
-                           va="center", fontsize=7, color=text_colour(_COLOURS[e.kind]))
-            extent = text.get_window_extent(renderer)
-            if extent.width > width - 2 * pad or extent.height > height - pad:
-                text.remove()
-
-    def plot(self, path=None):
-        """The Gantt chart (`figure()`) as PNG bytes; writes `path` if given."""
-        buffer = io.BytesIO()
-        self.figure().savefig(buffer, format="png", dpi=_DPI)
-        data = buffer.getvalue()
-        if path is not None:
-            with open(path, "wb") as f:
-                f.write(data)
-        return data
-
-
-def text_colour(background):
-    """"#111111" or "white", whichever has the higher WCAG contrast on the
-    colour `background` (a matplotlib colour)."""
-    from matplotlib import colors  # pylint: disable=import-outside-toplevel
-
-    def luminance(colour):
-        channels = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
-                    for c in colors.to_rgb(colour)]
-        return 0.2126 * channels[0] + 0.7152 * channels[1] + 0.0722 * channels[2]
-
-    def contrast(a, b):
-        high, low = sorted((luminance(a), luminance(b)), reverse=True)
-        return (high + 0.05) / (low + 0.05)
-
-    return max(("#111111", "white"), key=lambda c: contrast(c, background))
 
 
 def overlap_ms(intervals):
@@ -351,21 +244,24 @@ SCALARS = (("pipeline/bubble_measured", "measured_bubble"),
 class PipelineTimeline(keras.callbacks.Callback):
     """Records a `Timeline` of one step on the batch `x, y, sample_weight` (a
     multiple of M rows) after every `every_n_epochs`-th epoch, or only when
-    training ends (0), into `timeline_epoch{E}.json` (Chrome trace) and `.png`
-    in `log_dir`, and, with `tensorboard_dir`, the PNG as an image
-    ("pipeline/timeline") and the figures as scalars (`SCALARS`) at step E.
+    training ends (0), into `timeline_epoch{E}.json` (Chrome trace) in
+    `log_dir`, and, with `tensorboard_dir`, the figures as scalars
+    (`SCALARS`) at step E. With `chart`, a function of a `Timeline` that
+    returns PNG bytes (`launch.timeline_chart.png`), also
+    `timeline_epoch{E}.png` and that image in TensorBoard ("pipeline/timeline").
 
     >>> cb = PipelineTimeline(x[:64], y[:64], "/tmp/run")   # doctest: +SKIP
     >>> model.fit(x, y, batch_size=64, callbacks=[cb])       # doctest: +SKIP
     """
 
     def __init__(self, x, y=None, log_dir=".", sample_weight=None, every_n_epochs=0,
-                 tensorboard_dir=None):
+                 tensorboard_dir=None, chart=None):
         super().__init__()
         self._timed_batch = (x, y, sample_weight)
         self.log_dir = log_dir
         self.every_n_epochs = every_n_epochs
         self.tensorboard_dir = tensorboard_dir
+        self.chart = chart
         self.timelines = []
         self.paths = []
         self._epochs = 0
@@ -375,16 +271,21 @@ class PipelineTimeline(keras.callbacks.Callback):
         timeline = record_step(self.model, *self._timed_batch)
         os.makedirs(self.log_dir, exist_ok=True)
         stem = os.path.join(self.log_dir, f"timeline_epoch{epoch}")
-        timeline.to_chrome_trace(stem + ".json")
-        png = timeline.plot(stem + ".png")
+        self.paths.append(timeline.to_chrome_trace(stem + ".json"))
+        png = None
+        if self.chart is not None:
+            png = self.chart(timeline)
+            with open(stem + ".png", "wb") as f:
+                f.write(png)
+            self.paths.append(stem + ".png")
         self.timelines.append(timeline)
-        self.paths += [stem + ".json", stem + ".png"]
         if self.tensorboard_dir:
             writer = tf.summary.create_file_writer(self.tensorboard_dir)
             with writer.as_default():
-                image = tf.image.decode_png(png, channels=4)[tf.newaxis]
-                tf.summary.image("pipeline/timeline", image, step=epoch,
-                                 description=timeline.summary())
+                if png is not None:
+                    image = tf.image.decode_png(png, channels=4)[tf.newaxis]
+                    tf.summary.image("pipeline/timeline", image, step=epoch,
+                                     description=timeline.summary())
                 for tag, attribute in SCALARS:
                     tf.summary.scalar(tag, getattr(timeline, attribute), step=epoch,
                                       description=FIGURES[attribute])

@@ -2,10 +2,10 @@
 
 - `pip install .` installs the package `tfpipe` and nothing else: no generic
   top-level `models`, `launch` or `benchmarks` in site-packages. Its own
-  requirements are TensorFlow, Keras and absl-py; the trainer's, the plots'
-  and the tests' needs are the extras `[train]`, `[plot]` and `[test]`.
-- Every `tfpipe` module imports without the extras' packages; a feature that
-  needs one says which extra to install.
+  requirements are TensorFlow, Keras and absl-py; the trainer's (its plots
+  included) and the tests' needs are the extras `[train]` and `[test]`.
+- Every `tfpipe` module imports without the extras' packages (the Gantt chart,
+  which needs matplotlib, is the trainer's: `launch/timeline_chart.py`).
 - TensorFlow's C++ start-up messages (the oneDNN banner, twice) do not reach a
   `launch.train` run's stderr unless TF_CPP_MIN_LOG_LEVEL asks for them.
 
@@ -91,24 +91,22 @@ TRAIN = ["tensorboard", "tensorflow-datasets", "importlib-resources", "scikit-le
     ("cpu", ["tensorflow-cpu==2.21.*"]),
     ("and-cuda", ["tensorflow[and-cuda]==2.21.*"]),
     ("tpu", ["tensorflow-tpu==2.21.*"]),
-    ("plot", ["matplotlib"]),  # tfpipe.timeline's Gantt charts
     ("train", TRAIN),  # launch/ and benchmarks/, from the repository
     ("test", [*TRAIN, "pytest", "pytest-xdist", "regex", "rich", "kagglehub", "tokenizers",
               "sentencepiece"]),
-], ids=["library", "cpu", "and-cuda", "tpu", "plot", "train", "test"])
+], ids=["library", "cpu", "and-cuda", "tpu", "train", "test"])
 def test_what_each_extra_installs(wheel, extra, requirements):
     found = _requirements(wheel)
-    assert set(found) == {None, "cpu", "and-cuda", "tpu", "plot", "train", "test"}
+    assert set(found) == {None, "cpu", "and-cuda", "tpu", "train", "test"}
     assert found[extra] == requirements
 
 
 # -- the library without the extras ----------------------------------------------------
 
 # Imports every tfpipe module with the extras' packages unimportable (a meta path
-# finder raises ImportError for them), then calls a feature that needs one; prints
-# a JSON report.
+# finder raises ImportError for them); prints a JSON report.
 _WITHOUT_EXTRAS = """
-import dataclasses, importlib, json, pkgutil, sys
+import importlib, json, pkgutil, sys
 BLOCKED = set(sys.argv[1].split(","))
 class Block:
     def find_spec(self, name, path=None, target=None):
@@ -123,12 +121,6 @@ for info in pkgutil.walk_packages(tfpipe.__path__, "tfpipe."):
         report[info.name] = "ok"
     except Exception as err:
         report[info.name] = f"{type(err).__name__}: {err}"
-timeline = tfpipe.timeline.Timeline(
-    **{f.name: None for f in dataclasses.fields(tfpipe.timeline.Timeline)})
-try:
-    timeline.plot()
-except ImportError as err:
-    report["Timeline.plot"] = f"ImportError: {err}"
 report["loaded"] = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
 print(json.dumps(report))
 """
@@ -143,9 +135,6 @@ def test_every_tfpipe_module_imports_without_the_extras():
     assert {"tfpipe.model", "tfpipe.timeline", "tfpipe.schedules"} <= modules
     assert {name: report[name] for name in modules} == {name: "ok" for name in modules}
     assert report["loaded"] == []
-    assert report["Timeline.plot"] == (
-        "ImportError: Timeline.plot draws with matplotlib, which is not installed: "
-        "pip install 'tfpipe[plot]' (or matplotlib)")
 
 
 # `pip install .` without a TensorFlow extra: the pure-Python modules work, the rest

@@ -15,6 +15,7 @@ import tfpipe
 from tfpipe import actions
 from tfpipe import schedules
 from tfpipe import timeline as timeline_lib
+from launch import timeline_chart
 from tfpipe_tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -187,7 +188,7 @@ def test_gantt_chart_labels_fit_their_bars_and_read_on_their_colour():
     events += [(1, "F", 1, 0, 0.3, 12.0), (1, "B", 1, 0, 12.0, 40.0),
                (0, "I", 0, 0, 40.0, 40.8), (0, "W", 0, 0, 41.0, 60.0)]
     timeline = _timeline(events, m=8)
-    fig = timeline.figure()
+    fig = timeline_chart.figure(timeline)
     ax = fig.axes[0]
     renderer = fig.canvas.get_renderer()
     labels = {t.get_text(): t for t in ax.texts}
@@ -201,7 +202,7 @@ def test_gantt_chart_labels_fit_their_bars_and_read_on_their_colour():
             [(e.start_ms, e.device + 0.4), (e.end_ms, e.device - 0.4)])
         assert x0 <= box.x0 and box.x1 <= x1, e.name  # inside the bar, in pixels
         assert y0 <= box.y0 and box.y1 <= y1, e.name
-        colour = timeline_lib._COLOURS[e.kind]  # pylint: disable=protected-access
+        colour = timeline_chart.COLOURS[e.kind]
         assert _contrast(text.get_color(), colour) >= 4.5, e.name  # WCAG AA
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
         f"{k}: {actions.KINDS[k].description}" for k in "FBIW"]
@@ -209,7 +210,7 @@ def test_gantt_chart_labels_fit_their_bars_and_read_on_their_colour():
     for name in ("measured 50.0%", "predicted from measured stage costs 25.0%",
                  "schedule's ideal with F=1, B=2: 20.0%", "Overlap (2+ devices busy)"):
         assert name in caption
-    assert timeline.plot()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert timeline_chart.png(timeline)[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _contrast(a, b):
@@ -240,20 +241,28 @@ def test_chrome_trace_png_and_callback(tmp_path):
     assert meta["overlap_ms"] == timeline.overlap_ms
     assert meta["figures"]["predicted_bubble"].startswith("predicted from measured stage costs")
     assert meta["figures"]["ideal_bubble"].startswith("schedule's ideal with F=1, B=2")
-    assert timeline.plot(str(tmp_path / "t.png"))[:8] == b"\x89PNG\r\n\x1a\n"
+    assert timeline_chart.png(timeline, str(tmp_path / "t.png"))[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    callback = tfpipe.timeline.PipelineTimeline(x[:16], y[:16], log_dir=str(tmp_path / "tl"),
-                                               tensorboard_dir=str(tmp_path / "tb"))
-    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[callback])
-    assert [p.rsplit("/", 1)[1] for p in callback.paths] == ["timeline_epoch2.json",
-                                                             "timeline_epoch2.png"]
-    written = {}
-    for path in (tmp_path / "tb").glob("events.out.tfevents.*"):
-        for event in tf.compat.v1.train.summary_iterator(str(path)):
-            for value in event.summary.value:
-                written[value.tag] = value.metadata.summary_description
-    assert written == {"pipeline/timeline": callback.timelines[-1].summary(),
-                       **{tag: timeline_lib.FIGURES[name] for tag, name in timeline_lib.SCALARS}}
+    # The library writes the Chrome trace and the scalars; a chart function adds
+    # the PNG and TensorBoard's image.
+    scalars = {tag: timeline_lib.FIGURES[name] for tag, name in timeline_lib.SCALARS}
+    for chart, files in ((None, ["timeline_epoch2.json"]),
+                         (timeline_chart.png, ["timeline_epoch2.json", "timeline_epoch2.png"])):
+        run = tmp_path / ("chart" if chart else "plain")
+        callback = tfpipe.timeline.PipelineTimeline(
+            x[:16], y[:16], log_dir=str(run / "tl"), tensorboard_dir=str(run / "tb"),
+            chart=chart)
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[callback])
+        assert [p.rsplit("/", 1)[1] for p in callback.paths] == files
+        assert sorted(p.name for p in (run / "tl").iterdir()) == files
+        written = {}
+        for path in (run / "tb").glob("events.out.tfevents.*"):
+            for event in tf.compat.v1.train.summary_iterator(str(path)):
+                for value in event.summary.value:
+                    written[value.tag] = value.metadata.summary_description
+        image = {"pipeline/timeline": callback.timelines[-1].summary()} if chart else {}
+        assert written == {**image, **scalars}
     assert sorted(written) == ["pipeline/bubble_measured",
                                "pipeline/bubble_predicted_from_stage_costs",
                                "pipeline/bubble_schedule_ideal_F1_B2",
