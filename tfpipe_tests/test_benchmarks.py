@@ -161,3 +161,21 @@ def test_the_recorded_recommendation_is_within_10_percent_of_the_best_measured(n
     assert result["summary"] == plan_check.summarize(result["rows"])
     assert sum(r["recommended"] for r in result["rows"]) == 1
     assert result["summary"]["recommended_vs_best"] <= plan_check.WITHIN
+
+
+def _graph(names, control_edge):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    graph = tf.Graph()
+    with graph.as_default():
+        a = tf.constant(1.0, name=names[0])
+        b = tf.constant(2.0, name=names[1])
+        with tf.control_dependencies([b] if control_edge else []):
+            tf.identity(a, name=names[2])
+    return graph
+
+
+def test_step_graphs_fingerprints_ops_and_edges_not_names():
+    from benchmarks import step_graphs  # pylint: disable=import-outside-toplevel
+    base = step_graphs.fingerprint(_graph("abc", False))
+    assert step_graphs.fingerprint(_graph("xyz", False)) == base  # names differ: the same
+    assert step_graphs.fingerprint(_graph("abc", True)) != base   # an edge more: not
