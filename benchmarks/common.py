@@ -365,6 +365,30 @@ def write_json(path, data):
     return path
 
 
+def two_stage_pipeline(model, mlp_layers, **settings):
+    """(compiled `PipelinedModel` on /CPU:0 and /CPU:1, (x spec, y spec) of a
+    batch of 16): the MLP made of `mlp_layers` (input width 8, mean squared
+    error on 4 outputs), or a 2-block transformer (width 16, sequence 8) cut
+    [2, 3]. `settings`: the `PipelineStrategy`'s. For the counting and tracing
+    benchmarks (`module_changes`, `step_graphs`)."""
+    import keras  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import tfpipe  # pylint: disable=import-outside-toplevel
+    from models import transformer_lm  # pylint: disable=import-outside-toplevel
+    strategy = tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], **settings)
+    with strategy.scope():
+        if model == "mlp":
+            pipelined = tfpipe.PipelinedModel(mlp_layers, input_shape=(None, 8))
+            pipelined.compile(optimizer="adam", loss="mse")
+            return pipelined, (tf.TensorSpec([16, 8], tf.float32),
+                               tf.TensorSpec([16, 4], tf.float32))
+        pipelined = tfpipe.PipelinedModel.from_model(transformer_lm.transformer_lm(
+            num_layers=2, width=16, num_heads=2, seq_len=8), balance=[2, 3])
+        pipelined.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+    return pipelined, (tf.TensorSpec([16, 8], tf.int32), tf.TensorSpec([16, 8], tf.int32))
+
+
 def begin(argv):
     """A benchmark's main starts: no stray arguments; prints the machine.
     Returns (the machine, the start time)."""

@@ -73,24 +73,9 @@ def measure(schedule="gpipe", execution="unrolled", num_microbatches=4, model="m
     """One count (in this process, 2 logical CPUs); a dict row per action kind
     and one for the set-up and end."""
     import keras  # pylint: disable=import-outside-toplevel
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    import tfpipe  # pylint: disable=import-outside-toplevel
-    from models import transformer_lm  # pylint: disable=import-outside-toplevel
-    strategy = tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], schedule=schedule,
-                                       num_microbatches=num_microbatches, recompute="never",
-                                       execution=execution)
-    with strategy.scope():
-        if model == "mlp":
-            pipelined = tfpipe.PipelinedModel([keras.layers.Dense(8), keras.layers.Dense(4)],
-                                              input_shape=(None, 8))
-            pipelined.compile(optimizer="adam", loss="mse")
-            specs = (tf.TensorSpec([16, 8], tf.float32), tf.TensorSpec([16, 4], tf.float32))
-        else:
-            pipelined = tfpipe.PipelinedModel.from_model(transformer_lm.transformer_lm(
-                num_layers=2, width=16, num_heads=2, seq_len=8), balance=[2, 3])
-            pipelined.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
-                from_logits=True))
-            specs = (tf.TensorSpec([16, 8], tf.int32), tf.TensorSpec([16, 8], tf.int32))
+    pipelined, specs = common.two_stage_pipeline(
+        model, [keras.layers.Dense(8), keras.layers.Dense(4)], schedule=schedule,
+        num_microbatches=num_microbatches, recompute="never", execution=execution)
     per_action, outside = count(pipelined, *specs)
     rows = [{"part": f"action {kind}", "actions": len(v), "mean": statistics.mean(v),
              "max": max(v), "total": sum(v)} for kind, v in sorted(per_action.items())]

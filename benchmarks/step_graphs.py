@@ -47,25 +47,13 @@ def measure(model, schedule, execution, recompute):
     """Traces one training step (M=4, K=2) in this process; {"ops", "fingerprint"}."""
     import keras  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    import tfpipe  # pylint: disable=import-outside-toplevel
-    from models import transformer_lm  # pylint: disable=import-outside-toplevel
-    strategy = tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], num_microbatches=4,
-                                       schedule=schedule, execution=execution,
-                                       recompute=recompute, call_losses="per_microbatch")
     keras.utils.set_random_seed(0)
-    with strategy.scope():
-        if model == "mlp":  # BatchNorm and an activity regulariser: moments and call losses
-            pipelined = tfpipe.PipelinedModel(
-                [keras.Sequential([keras.layers.Dense(8), keras.layers.BatchNormalization()]),
-                 keras.layers.Dense(4, activity_regularizer="l2")], input_shape=(None, 8))
-            pipelined.compile(optimizer="adam", loss="mse")
-            specs = (tf.TensorSpec([16, 8], tf.float32), tf.TensorSpec([16, 4], tf.float32))
-        else:
-            pipelined = tfpipe.PipelinedModel.from_model(transformer_lm.transformer_lm(
-                num_layers=2, width=16, num_heads=2, seq_len=8), balance=[2, 3])
-            pipelined.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
-                from_logits=True))
-            specs = (tf.TensorSpec([16, 8], tf.int32), tf.TensorSpec([16, 8], tf.int32))
+    # The MLP has BatchNorm and an activity regulariser: moments and call losses.
+    pipelined, specs = common.two_stage_pipeline(
+        model, [keras.Sequential([keras.layers.Dense(8), keras.layers.BatchNormalization()]),
+                keras.layers.Dense(4, activity_regularizer="l2")],
+        num_microbatches=4, schedule=schedule, execution=execution, recompute=recompute,
+        call_losses="per_microbatch")
     step = tf.function(lambda x, y: pipelined.train_step((x, y)), autograph=False)
     with common.call_scope(pipelined):
         ops, digest = fingerprint(step.get_concrete_function(*specs).graph)
