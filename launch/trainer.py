@@ -268,7 +268,10 @@ def _callbacks(run, before_save, start_step):
         after_save=[board.rotate, lambda s: devices.latest.append(saved.source.path(s))],
         before_save=[before_save] if before_save else [])
     made = Callbacks([], timer, checkpointer, board)
-    if config.timeline:
+    refusal = run.model.pipeline_host.timing_refusal
+    if config.timeline and refusal:
+        print(f"--timeline: no timeline at the end: {refusal}", flush=True)
+    if config.timeline and not refusal:
         # One measured step (forward + backward, no update) when fit ends: a
         # Chrome trace and a Gantt chart, also shown in TensorBoard's Images.
         pipeline_board = model_dir / history_lib.TENSORBOARD_DIR / "pipeline"
@@ -423,7 +426,9 @@ def train(config, callbacks=(), stop=None, before_save=None, record=None, resume
     if verbose is None:
         verbose = 1 if sys.stdout.isatty() else 2
     if verbose:  # what this configuration costs, before the first step (tfpipe.plan)
-        print(tfpipe.plan(model, config.batch_size, config.microbatches, repeats=1), flush=True)
+        refusal = model.pipeline_host.timing_refusal
+        print(f"No plan before the first step: {refusal}" if refusal else
+              tfpipe.plan(model, config.batch_size, config.microbatches, repeats=1), flush=True)
     run = Run(config, stop, record, devices, data, saved, model, step, history)
     made = _callbacks(run, before_save, start_step)
     start_up.close()  # from here a signal is answered after the step, with a save

@@ -70,6 +70,11 @@ class PipelineHost:
     # Why every batch must have one static size (a sentence), or None.
     static_batch_reason = None
 
+    # Why tfpipe cannot time these devices from outside the step's program
+    # (`tfpipe.plan`, `tfpipe.timeline.record_step`): a sentence that says what
+    # to do instead, or None.
+    timing_refusal = None
+
     def xla_modes(self, jit_compile, pipeline_devices, stage_functions):
         """(whole step as one XLA program, each stage function as its own) for
         `compile(jit_compile=...)` (`tfpipe.xla.stage_xla`)."""

@@ -124,6 +124,12 @@ class PipelinedModel(keras_config.KerasConfig, keras_calls.KerasCalls, _internal
         return self._trace_options
 
     @property
+    def pipeline_host(self):
+        """The `tfpipe.host.PipelineHost` this model runs on: its
+        `PipelineStrategy`, or the host of its `TPUStrategy`."""
+        return self._pipeline_strategy
+
+    @property
     def stages(self):
         """The K stage layers; stage k runs on `stage_devices[k]`."""
         return self._stage_holder.stages

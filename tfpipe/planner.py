@@ -227,6 +227,9 @@ def plan(model, batch_size, num_microbatches, num_stages=None, devices=None, sch
                                      "Use the largest M to try (e.g. 64).")
     slots = prediction.optimizer_slots(optimizer)
     graph, model_balance, pipelined = _resolve_model(model)
+    refusal = pipelined.pipeline_host.timing_refusal if pipelined is not None else None
+    if refusal is not None and devices is None:
+        raise ValueError(f"tfpipe.plan({pipelined.name!r}): {refusal}")
     n_units = len(graph.units)
     if schedule is None:
         schedule = pipelined.schedule if pipelined is not None else "gpipe"

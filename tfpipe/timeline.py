@@ -182,6 +182,8 @@ def record_step(model, x, y=None, sample_weight=None, repeats=2):
     if not getattr(model, "compiled", False) or not model.built:
         raise ValueError("record_step needs a built, compiled PipelinedModel "
                          "(call model.compile and model.build or fit first).")
+    if model.pipeline_host.timing_refusal is not None:
+        raise ValueError(f"record_step({model.name!r}): {model.pipeline_host.timing_refusal}")
     model.check_batch_size(None, int(tf.nest.flatten(x)[0].shape[0]), "record_step")
     # The model's own pipeline: its trace options (a benchmark's one stream
     # per device, `serialize_ops`) apply to the recording too.

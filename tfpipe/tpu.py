@@ -132,6 +132,13 @@ class TPUPipelineHost(host.PipelineHost):
     per strategy."""
 
     static_batch_reason = "a TPUStrategy (one XLA program per replica)"
+    timing_refusal = (
+        "a TPUStrategy's logical cores run only inside its replica program, so tfpipe "
+        "cannot time layers or steps on them from outside it (tfpipe.plan, "
+        "tfpipe.timeline.record_step). Plan on this process's devices instead "
+        "(tfpipe.plan(model, ..., devices=[...]): the schedule and memory figures carry "
+        "over, the times are those devices'); profile the TPU's steps with tf.profiler "
+        "(benchmarks/tpu_check.py does).")
 
     def __init__(self, strategy):
         if _internal.tpu_uses_spmd(strategy):

@@ -168,6 +168,19 @@ def _fit(data, **kwargs):
     return run
 
 
+def _timed(call):
+    """tfpipe.plan or tfpipe.timeline.record_step on a model under a TPUStrategy."""
+    def run():
+        _, model = _pipelined(tfpipe.testing.tpu_strategy("v3-8", 2), 2, num_microbatches=4)
+        x, y = np.zeros((16, 8), np.float32), np.zeros((16,), np.int32)
+        model.build((None, 8))
+        if call == "plan":
+            tfpipe.plan(model, 16, 4)
+        else:
+            tfpipe.timeline.record_step(model, x, y)
+    return run
+
+
 # what the user did -> the error they get
 REFUSALS = [
     (_spmd_model, r"experimental_spmd_xla_partitioning=True.*Make the TPUStrategy without it"),
@@ -181,6 +194,11 @@ REFUSALS = [
                                     r"but batch_size=12 is not a multiple of 8"),
     (_fit("arrays", batch_size=32), r"48 examples in batches of 32 leave a last batch of 16"),
     (_fit("ragged_dataset"), r"batch dimension is None.*drop_remainder=True"),
+    # Timing from outside the replica program would time the host's CPU instead.
+    (_timed("plan"), r"tfpipe.plan\('pipelined_classifier'\): a TPUStrategy's logical cores run "
+                     r"only inside its replica program.*devices=\[\.\.\.\]"),
+    (_timed("record_step"), r"record_step\('pipelined_classifier'\): a TPUStrategy's logical "
+                            r"cores run only inside its replica program"),
 ]
 
 

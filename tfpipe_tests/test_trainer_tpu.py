@@ -57,14 +57,20 @@ def test_a_tpu_run_traces_to_the_missing_tpu_kernel(tmp_path, monkeypatch, capsy
     # whole batches are what passes fit's static-batch check.
     config = train_lib.TrainConfig(
         model=model, stages=stages, replicas=replicas, schedule=schedule, microbatches=2,
-        batch_size=16, epochs=1, steps_per_epoch=2, max_examples=70, verbose=0,
-        timeline=False, tpu="local", model_dir=str(tmp_path / "run"))
+        batch_size=16, epochs=1, steps_per_epoch=2, max_examples=70, verbose=2,
+        timeline=True, tpu="local", model_dir=str(tmp_path / "run"))
     with pytest.raises(tf.errors.InvalidArgumentError, match="'TPUReplicatedInput'"):
         train_lib.train(config, callbacks=[seen])
     cores = config_lib.num_devices(config)
     assert made == [("local", cores, int(replicas))]
-    assert capsys.readouterr().out.startswith(
-        f"--tpu=local: {replicas} replica(s) of {cores} core(s); stage k on logical core k.")
+    # No plan and no timeline: both would time the host's CPU, not the TPU.
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"--tpu=local: {replicas} replica(s) of {cores} core(s); stage k on " \
+                     f"logical core k."
+    assert [line.split(":")[0] for line in out[1:3]] == ["No plan before the first step",
+                                                       "--timeline"]
+    assert all("a TPUStrategy's logical cores run only inside its replica program" in line
+               for line in out[1:3])
     assert [(type(d).__name__, d.index) for d in seen.devices] == \
         [("LogicalCore", k % cores) for k in range(stages)]
     # Nothing was committed, and the lock is released.
