@@ -247,13 +247,15 @@ def test_chrome_trace_png_and_callback(tmp_path):
     # The library writes the Chrome trace and the scalars; a chart function adds
     # the PNG and TensorBoard's image.
     scalars = {tag: timeline_lib.FIGURES[name] for tag, name in timeline_lib.SCALARS}
-    for chart, files in ((None, ["timeline_epoch2.json"]),
-                         (timeline_chart.png, ["timeline_epoch2.json", "timeline_epoch2.png"])):
-        run = tmp_path / ("chart" if chart else "plain")
-        callback = tfpipe.timeline.PipelineTimeline(
-            x[:16], y[:16], log_dir=str(run / "tl"), tensorboard_dir=str(run / "tb"),
-            chart=chart)
-        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[callback])
+    runs = ((None, ["timeline_epoch2.json"]),
+            (timeline_chart.png, ["timeline_epoch2.json", "timeline_epoch2.png"]))
+    callbacks = [tfpipe.timeline.PipelineTimeline(
+        x[:16], y[:16], log_dir=str(tmp_path / str(bool(chart)) / "tl"),
+        tensorboard_dir=str(tmp_path / str(bool(chart)) / "tb"), chart=chart)
+        for chart, _ in runs]
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=callbacks)
+    for (chart, files), callback in zip(runs, callbacks):
+        run = tmp_path / str(bool(chart))
         assert [p.rsplit("/", 1)[1] for p in callback.paths] == files
         assert sorted(p.name for p in (run / "tl").iterdir()) == files
         written = {}
