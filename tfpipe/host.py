@@ -55,8 +55,8 @@ class PipelineHost:
     def pipeline_devices(self, num_stages, schedule=None, replica=0):
         """(devices, stage_devices) for a model of `num_stages` stages: the D
         slots replica `replica`'s pipeline uses and the one holding each
-        stage, as `tfpipe.devices.StageDevice`s. `schedule` defaults to the host's. Raises ValueError if it
-        cannot place them here."""
+        stage, as `tfpipe.devices.StageDevice`s. `schedule` defaults to the
+        host's. Raises ValueError if it cannot place them here."""
         schedule = self._config.schedule if schedule is None else schedules.get(schedule)
         placed = schedules.stage_devices(schedule, num_stages, self._stage_slots(replica))
         if placed is None:

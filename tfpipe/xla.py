@@ -52,7 +52,8 @@ def stage_xla(jit_compile, pipeline_devices, stage_functions):
         return False, False
     if not stage_functions:
         raise ValueError(
-            f"PipelinedModel.compile(jit_compile=True) on several devices ({[str(d) for d in devices]}) "
+            f"PipelinedModel.compile(jit_compile=True) on several devices "
+            f"({[str(d) for d in devices]}) "
             f"compiles each stage as its own XLA program on its own device, which needs "
             f"execution='stage_functions' (one program for the whole step would pull every "
             f"stage onto one device), but the execution was set to another. Pass "

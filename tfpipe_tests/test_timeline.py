@@ -241,7 +241,8 @@ def test_chrome_trace_png_and_callback(tmp_path):
     assert meta["overlap_ms"] == timeline.overlap_ms
     assert meta["figures"]["predicted_bubble"].startswith("predicted from measured stage costs")
     assert meta["figures"]["ideal_bubble"].startswith("schedule's ideal with F=1, B=2")
-    assert timeline_chart.png(timeline, str(tmp_path / "t.png"))[:8] == b"\x89PNG\r\n\x1a\n"
+    png = timeline_chart.png(timeline, str(tmp_path / "t.png"))
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # The library writes the Chrome trace and the scalars; a chart function adds

@@ -201,8 +201,8 @@ def test_tpu_strategy_on_cpu_traces_a_replicated_program_on_k_cores(topology, co
 
 @pytest.mark.parametrize("args, message", [
     (("v2-8", 2, 1), r"topology='v2-8' is not one of \['v3-8', 'v5e-8'\]"),
-    (("v3-8", 3, 1), r"cores_per_replica=3 x num_replicas=1 does not fit a 2x2x1x2 TPU topology's 8 cores; "
-                     r"cores_per_replica takes \[1, 2, 4, 8\]"),
+    (("v3-8", 3, 1), r"cores_per_replica=3 x num_replicas=1 does not fit a 2x2x1x2 TPU "
+                     r"topology's 8 cores; cores_per_replica takes \[1, 2, 4, 8\]"),
     (("v3-8", 4, 4), r"cores_per_replica=4 x num_replicas=4 does not fit"),
 ])
 def test_tpu_strategy_refuses_what_the_host_cannot_hold(args, message):
