@@ -15,6 +15,7 @@ import os
 import tensorflow as tf
 
 from tfpipe import _internal
+from tfpipe import _internal_tpu
 
 
 class StageDevice:
@@ -98,7 +99,7 @@ class LogicalCore(StageDevice):
 
     def replica_devices(self):
         """The TPU device of this core in each replica (R names)."""
-        return [row[self.index] for row in _internal.tpu_core_devices(self.strategy)]
+        return [row[self.index] for row in _internal_tpu.tpu_core_devices(self.strategy)]
 
     def __eq__(self, other):
         return (isinstance(other, LogicalCore) and other.index == self.index

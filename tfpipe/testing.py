@@ -5,7 +5,7 @@ that traces TPU programs on a CPU-only machine."""
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import _internal
+from tfpipe import _internal_tpu
 from tfpipe import tpu
 
 # name -> (mesh shape [x, y, z, cores per chip]); each one host's worth of chips.
@@ -105,7 +105,7 @@ class _TracingOnlyResolver(tf.distribute.cluster_resolver.ClusterResolver):
         return ""
 
     def get_tpu_system_metadata(self):
-        return _internal.tpu_metadata(self.topology, self.device_names)
+        return _internal_tpu.tpu_metadata(self.topology, self.device_names)
 
 
 def tpu_strategy(topology="v3-8", cores_per_replica=2, num_replicas=1,

@@ -19,7 +19,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import _internal
+from tfpipe import _internal_tpu
 from tfpipe import config as config_lib
 from tfpipe import devices as devices_lib
 from tfpipe import host
@@ -141,13 +141,13 @@ class TPUPipelineHost(host.PipelineHost):
         "(benchmarks/tpu_check.py does).")
 
     def __init__(self, strategy):
-        if _internal.tpu_uses_spmd(strategy):
+        if _internal_tpu.tpu_uses_spmd(strategy):
             raise ValueError(
                 "PipelinedModel under a TPUStrategy with experimental_spmd_xla_partitioning="
                 "True: XLA's SPMD partitioner would split every op over the replica's cores, "
                 "not run stage k on core k. Make the TPUStrategy without it (the default).")
         self.distribute_strategy = strategy
-        self.cores_per_replica = len(_internal.tpu_core_devices(strategy)[0])
+        self.cores_per_replica = len(_internal_tpu.tpu_core_devices(strategy)[0])
         self._config = config_lib.PipelineConfig.make()
         self._given = {}  # a TPUStrategy takes no pipeline settings
 
@@ -192,7 +192,7 @@ class TPUPipelineHost(host.PipelineHost):
     def place_optimizer(self, optimizer, device_of):
         # Keras' optimizer runs in no device scope inside a TPU replica.
         super().place_optimizer(optimizer, device_of)
-        _internal.place_optimizer_updates(optimizer, device_of)
+        _internal_tpu.place_optimizer_updates(optimizer, device_of)
 
     def metrics_scope(self, pipeline):
         """Next to y_pred, on the last stage's core (else Keras would update

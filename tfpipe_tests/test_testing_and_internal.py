@@ -11,6 +11,7 @@ import tfpipe
 from tfpipe_tests import helpers
 from tfpipe import _internal
 from tfpipe import _internal_distribute
+from tfpipe import _internal_tpu
 from tfpipe import microbatch
 from tfpipe import partition
 from tfpipe_tests import conftest
@@ -150,17 +151,17 @@ def test_tpu_strategy_internals_and_optimizer_placement():
     each variable's device scope (its update, all-reduce and weight decay);
     the functions a traced graph defines."""
     strategy = tfpipe.testing.tpu_strategy("v3-8", cores_per_replica=2, num_replicas=2)
-    assert [[d.split("/")[-1] for d in row] for row in _internal.tpu_core_devices(strategy)] \
+    assert [[d.split("/")[-1] for d in row] for row in _internal_tpu.tpu_core_devices(strategy)] \
         == [["device:TPU:0", "device:TPU:1"], ["device:TPU:4", "device:TPU:5"]]
-    assert not _internal.tpu_uses_spmd(strategy)
-    assert _internal.tpu_uses_spmd(tfpipe.testing.tpu_strategy("v3-8", 2,
+    assert not _internal_tpu.tpu_uses_spmd(strategy)
+    assert _internal_tpu.tpu_uses_spmd(tfpipe.testing.tpu_strategy("v3-8", 2,
                                                                spmd_xla_partitioning=True))
     devices = [tfpipe.devices.StageDevice("/device:CPU:1"),
                tfpipe.devices.StageDevice("/device:CPU:2")]
     a, b = keras.Variable(np.ones(2, "float32")), keras.Variable(np.ones(3, "float32"))
     where = {id(a.value): devices[0], id(b.value): devices[1]}
     optimizer = keras.optimizers.AdamW(learning_rate=0.1, weight_decay=0.5)
-    _internal.place_optimizer_updates(optimizer, lambda v: where.get(id(v)))
+    _internal_tpu.place_optimizer_updates(optimizer, lambda v: where.get(id(v)))
     optimizer.build([a, b])
 
     @tf.function
@@ -395,7 +396,7 @@ def test_keras_model_state_the_keras_face_reads():
     topology = tf.tpu.experimental.Topology(
         mesh_shape=[1, 1, 1, 2], device_coordinates=np.array([[(0, 0, 0, 0), (0, 0, 0, 1)]],
                                                               np.int32))
-    meta = _internal.tpu_metadata(topology, ["/job:localhost/replica:0/task:0/device:TPU:0",
+    meta = _internal_tpu.tpu_metadata(topology, ["/job:localhost/replica:0/task:0/device:TPU:0",
                                              "/job:localhost/replica:0/task:0/device:CPU:0"])
     assert (meta.num_cores, meta.num_hosts, meta.devices[0].device_type) == (2, 1, "TPU")
     # EmptyDataLikeKeras wraps the hook Keras' TF trainer peeks at the first batch in.
