@@ -28,7 +28,7 @@ class Execution:
 
     Attributes:
       stage_functions: each stage is traced once per step as a `tf.function`
-        that every action calls (`tfpipe.stage.StageFunction`).
+        that every action calls (`tfpipe.stage_functions.StageFunction`).
       holds_weight_gradients: a split backward's W can run apart from its I;
         where not, I and W are lowered into one B (`merge_split_backward`).
       holds_ops_in_graph: a split backward is built whole at I and its

@@ -17,6 +17,7 @@ from tfpipe import boundary
 from tfpipe import gradients as gradients_lib
 from tfpipe import loss as loss_lib
 from tfpipe import stage as stage_lib
+from tfpipe import stage_functions
 
 float_leaves = boundary.float_leaves
 sum_or_none = stage_lib.sum_or_none
@@ -206,6 +207,10 @@ class Step(Interpreter):
                             [(i, table.variables[i], table.home(i) == k)
                              for i in table.per_stage[k]], shared, recorders[k])
             for k, layer in enumerate(plan.layers)]
+        if plan.traits.stage_functions:
+            for stage in stages:
+                stage.function = stage_functions.StageFunction(stage)
+                stage.backward_function = stage_functions.StageBackward(stage)
         super().__init__(stages, plan.stage_device,
                          plan.traits.holds_ops_in_graph and not tf.executing_eagerly(),
                          backward_step)

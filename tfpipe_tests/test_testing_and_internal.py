@@ -14,6 +14,7 @@ from tfpipe import _internal_distribute
 from tfpipe import _internal_tpu
 from tfpipe import microbatch
 from tfpipe import partition
+from tfpipe import stage_functions
 from tfpipe_tests import conftest
 
 
@@ -340,7 +341,6 @@ def test_called_function_calls_its_concrete_function_on_tf_ordered_tensors(args_
     call passes in `tf.nest.flatten` order, so `CalledFunction` calls
     `call_concrete` (private `_call_flat`) on them and gets what TF's own call
     gives; an argument it cannot key (a SparseTensor) goes through TF's call."""
-    from tfpipe import stage  # pylint: disable=import-outside-toplevel
 
     def body(a, b, c, scale, d):
         total = sum(tf.reduce_sum(tf.sparse.to_dense(t) if isinstance(t, tf.SparseTensor) else t)
@@ -348,7 +348,7 @@ def test_called_function_calls_its_concrete_function_on_tf_ordered_tensors(args_
                     if t is not None)
         return {"total": total * scale, "pair": [total, None]}
 
-    called = stage.CalledFunction(body)
+    called = stage_functions.CalledFunction(body)
     results = {}
 
     @tf.function(autograph=False)
