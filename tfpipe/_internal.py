@@ -31,11 +31,73 @@ def local_copies(variable):
 
 
 def adopt_optimizers(optimizers, strategy):
-    """Makes Keras TF optimizers place slots and updates through `strategy`
+    """Makes Keras TF optimizers create their slots through `strategy`
     (Keras captures the strategy in scope when an optimizer is created)."""
     for optimizer in optimizers:
         if hasattr(optimizer, "_distribution_strategy"):
             optimizer._distribution_strategy = strategy
+
+
+def place_optimizer_updates(optimizer, device_of):
+    """Makes a Keras TF optimizer do each variable's work in its device's
+    scope: `device_of(variable)` is a hashable object with a `scope()` (a
+    `tfpipe.devices.StageDevice`), or None for no scope, where `variable` is
+    the TF variable Keras works on (`keras.Variable.value`, or a replica's
+    copy). The work: the gradients' all-reduce over replicas (one per device,
+    not one for all), the weight decay and `update_step` (slots included); not
+    a LossScaleOptimizer's inner optimizer (wrap it too). Wraps this
+    instance's methods once; a second call replaces `device_of`.
+
+    Why here, not in a strategy's `update`: Keras runs these in no device
+    scope, and a TPUStrategy's `update` inside its replica adds none, so each
+    would land on the replica's first core and read every stage's variables
+    there."""
+    wrapped = getattr(optimizer, "_tfpipe_device_of", None) is not None
+    optimizer._tfpipe_device_of = device_of
+    if wrapped:
+        return
+    update_step = optimizer.update_step
+    reduce_gradients = optimizer._all_reduce_sum_gradients
+    weight_decay = optimizer._apply_weight_decay
+
+    def device(variable):
+        value = variable.value if isinstance(variable, keras.Variable) else variable
+        return optimizer._tfpipe_device_of(value)
+
+    def scope(variable):
+        found = device(variable)
+        return contextlib.nullcontext() if found is None else found.scope()
+
+    def by_device(variables):
+        """Positions of `variables` grouped by device, in first-seen order."""
+        out = {}
+        for i, variable in enumerate(variables):
+            out.setdefault(device(variable), []).append(i)
+        return list(out.values())
+
+    def placed_update_step(gradient, variable, learning_rate):
+        with scope(variable):
+            return update_step(gradient, variable, learning_rate)
+
+    def placed_reduce(grads_and_vars):
+        pairs = list(grads_and_vars)
+        out = [None] * len(pairs)
+        for positions in by_device([v for _, v in pairs]):
+            with scope(pairs[positions[0]][1]):
+                reduced = reduce_gradients([pairs[i] for i in positions])
+            for i, pair in zip(positions, reduced):
+                out[i] = pair
+        return out
+
+    def placed_weight_decay(variables):
+        variables = list(variables)
+        for positions in by_device(variables):
+            with scope(variables[positions[0]]):
+                weight_decay([variables[i] for i in positions])
+
+    optimizer.update_step = placed_update_step
+    optimizer._all_reduce_sum_gradients = placed_reduce
+    optimizer._apply_weight_decay = placed_weight_decay
 
 
 def seed_generators(layer):

@@ -23,8 +23,8 @@ from tensorflow.python.framework import ops
 class PipelineExtended(distribute_lib._DefaultDistributionExtended):
     """Single-replica `StrategyExtended` that never overrides device scopes:
     unlike `OneDeviceStrategy` it creates each variable where the enclosing
-    `tf.device` says, and colocates optimizer slots and updates with their
-    variable."""
+    `tf.device` says, and optimizer slots with their variable (the host
+    places the updates: `tfpipe.host.PipelineHost.place_optimizer`)."""
 
     def __init__(self, container_strategy, devices):
         super().__init__(container_strategy)
@@ -46,10 +46,6 @@ class PipelineExtended(distribute_lib._DefaultDistributionExtended):
         # ops.colocate_with is lost when Keras lifts slot creation out of a
         # tf.function with init_scope; an explicit device survives.
         return ops.device(colocate_with_variable.device)
-
-    def _update(self, var, fn, args, kwargs, group):
-        with ops.device(var.device):
-            return super()._update(var, fn, args, kwargs, group)
 
     def _call_for_each_replica(self, fn, args, kwargs):
         with _OneReplicaContext(self._container_strategy(), replica_id_in_sync_group=0):

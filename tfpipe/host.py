@@ -13,6 +13,7 @@ of device is one subclass.
 import contextlib
 
 from tfpipe import _internal
+from tfpipe import devices
 from tfpipe import placement
 from tfpipe import schedules
 from tfpipe import xla
@@ -86,20 +87,31 @@ class PipelineHost:
         return xla.needs_stage_functions(jit_compile, pipeline_devices)
 
     def place_optimizer(self, optimizer, device_of):
-        """Makes `optimizer` (and the optimizers it wraps) put its slots and
-        updates next to their variables: through this host's strategy, which
-        honours `colocate_with`. `device_of(tf_variable)`: the variable's
-        stage device, or None."""
-        del device_of  # the strategy places by colocation
-        _internal.adopt_optimizers(placement.nested_optimizers(optimizer),
-                                   self.distribute_strategy)
+        """Makes `optimizer` (and the optimizers it wraps) create its slots
+        through this host's strategy, which puts each next to its variable,
+        and do each variable's update, weight decay and gradient all-reduce on
+        `update_device`: one mechanism for every kind of device.
+        `device_of(tf_variable)`: the variable's stage device, or None."""
+        optimizers = placement.nested_optimizers(optimizer)
+        _internal.adopt_optimizers(optimizers, self.distribute_strategy)
+        for each in optimizers:
+            _internal.place_optimizer_updates(
+                each, lambda variable: self.update_device(variable, device_of(variable)))
+
+    def update_device(self, variable, stage_device):
+        """Where the optimizer works on TF `variable` (of `stage_device`, or
+        None for the optimizer's own): the variable's own device, a
+        `StageDevice`. A replica's copy names its own, and so does a mirrored
+        variable read in a replica's context, so each replica of a grid
+        updates its own copy; `stage_device` is replica 0's."""
+        del stage_device
+        return devices.StageDevice(variable.device) if variable.device else None
 
     def metrics_scope(self, pipeline):
         """Where a step updates its loss tracker and metrics: as plain Keras
         does, in no device scope."""
         del pipeline
         return contextlib.nullcontext()
-
 
 class VariableDevices:
     """The stage device of each stage variable's home stage, keyed by its TF

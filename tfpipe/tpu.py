@@ -189,10 +189,12 @@ class TPUPipelineHost(host.PipelineHost):
     def prefers_stage_functions(self, jit_compile, pipeline_devices):
         return False
 
-    def place_optimizer(self, optimizer, device_of):
-        # Keras' optimizer runs in no device scope inside a TPU replica.
-        super().place_optimizer(optimizer, device_of)
-        _internal_tpu.place_optimizer_updates(optimizer, device_of)
+    def update_device(self, variable, stage_device):
+        """The variable's logical core: Keras' optimizer runs in no device
+        scope inside a replica, and a physical core's name would pin every
+        replica's update to replica 0's core."""
+        del variable
+        return stage_device
 
     def metrics_scope(self, pipeline):
         """Next to y_pred, on the last stage's core (else Keras would update

@@ -118,6 +118,42 @@ def test_training_ops_run_on_stage_devices():
     assert set(matmuls) == {("CPU", 0), ("CPU", 1)}
 
 
+def _graph_ops(graph):
+    """Every op of `graph` and of the function bodies it holds."""
+    for op in graph.get_operations():
+        yield op
+    for f in graph._functions.values():  # nested functions (gradients, conds)
+        if hasattr(f, "graph"):
+            yield from _graph_ops(f.graph)
+
+
+# (devices, replicas): one pipeline off the default device; a grid of two
+# pipelines, whose copies of a stage's variables each replica updates in place.
+@pytest.mark.parametrize("devices, replicas", [
+    (["/CPU:1", "/CPU:2"], 1),
+    (["/CPU:0", "/CPU:1", "/CPU:2", "/CPU:3"], 2),
+])
+def test_optimizer_updates_run_where_their_variable_lives(devices, replicas):
+    """AdamW's slot updates (AssignAdd) and its decay and step (AssignSub)
+    run on each stage device, two variables' worth each, in every replica."""
+    strategy = tfpipe.PipelineStrategy(devices=devices, num_replicas=replicas,
+                                       num_microbatches=2)
+    with strategy.scope():
+        model = tfpipe.PipelinedModel([keras.layers.Dense(4), keras.layers.Dense(2)],
+                                      input_shape=(None, 3))
+        model.compile(optimizer=keras.optimizers.AdamW(weight_decay=0.1), loss="mse")
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 2), "float32")
+    model.fit(x, y, batch_size=8, verbose=0)
+    graph = tf.function(model.train_step).get_concrete_function(
+        (tf.TensorSpec([8, 3]), tf.TensorSpec([8, 2]))).graph
+    writes = collections.Counter((op.type, _spec(op.device) if op.device else None)
+                                 for op in _graph_ops(graph)
+                                 if op.type in ("AssignAddVariableOp", "AssignSubVariableOp"))
+    # Per stage and replica: 2 variables x (momentum, velocity); x (decay, step).
+    assert writes == {(kind, _spec(d)): 4 for d in devices
+                      for kind in ("AssignAddVariableOp", "AssignSubVariableOp")}
+
+
 _PLACER_CHILD = r"""
 import sys
 import tfpipe

@@ -162,7 +162,7 @@ def test_tpu_strategy_internals_and_optimizer_placement():
     a, b = keras.Variable(np.ones(2, "float32")), keras.Variable(np.ones(3, "float32"))
     where = {id(a.value): devices[0], id(b.value): devices[1]}
     optimizer = keras.optimizers.AdamW(learning_rate=0.1, weight_decay=0.5)
-    _internal_tpu.place_optimizer_updates(optimizer, lambda v: where.get(id(v)))
+    _internal.place_optimizer_updates(optimizer, lambda v: where.get(id(v)))
     optimizer.build([a, b])
 
     @tf.function
