@@ -8,7 +8,9 @@
 - `compile(jit_compile=True)` on two devices with the execution left to
   tfpipe compiles each stage (stage functions, `model.execution` says so);
   pinned to another execution it is refused;
-- a data set smaller than one batch trains as the same rows as arrays do.
+- a data set smaller than one batch trains as the same rows as arrays do;
+- Keras optimizer options (a moving average, accumulated gradients) train as
+  plain Keras, their variables on the stage's device.
 """
 
 import warnings
@@ -97,6 +99,30 @@ def test_a_multi_optimizer_made_before_the_scope_trains_as_plain_keras():
     slots = [v for v in optimizer.variables if "head_" in v.path]
     assert len(slots) == 4  # Adam's two slots of the head's kernel and bias
     assert not placement.misplaced_variables(slots, pipelined.stage_devices[1])
+
+
+# Keras optimizer options whose per-variable work runs outside `update_step`:
+# the moving average and its overwrite, the accumulated gradients.
+@pytest.mark.parametrize("options", [
+    {"use_ema": True, "ema_overwrite_frequency": 2},
+    {"gradient_accumulation_steps": 2},
+], ids=["ema", "accumulation"])
+def test_optimizer_options_train_as_plain_keras(options):
+    x, y = _classes()
+    plain = _two_layer_model()
+    plain.compile(optimizer=keras.optimizers.Adam(0.01, **options),
+                  loss="sparse_categorical_crossentropy")
+    plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    model = _two_layer_model()
+    with tfpipe.PipelineStrategy(num_microbatches=2, devices=DEVICES).scope():
+        pipelined = tfpipe.PipelinedModel.from_model(model, balance=[1, 1])
+        pipelined.compile(optimizer=keras.optimizers.Adam(0.01, **options),
+                          loss="sparse_categorical_crossentropy")
+    pipelined.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert helpers.max_abs_diff(plain.get_weights(), model.get_weights()) < TOL
+    optimizer_state = [v for v in pipelined.optimizer.variables if "head_" in v.path]
+    assert len(optimizer_state) == 6  # Adam's slots and the average or accumulator, x2
+    assert not placement.misplaced_variables(optimizer_state, pipelined.stage_devices[1])
 
 
 @pytest.mark.parametrize("execution, expected", [
