@@ -1,9 +1,13 @@
-"""PipelinedModel behaves as a Keras model: fit options, callbacks, saving."""
+"""PipelinedModel behaves as a Keras model: fit options (class weights, a
+validation split and frequency, an initial epoch), callbacks (early stopping, a
+learning-rate plateau, checkpoints, a CSV log, backup and restore), the
+one-batch calls, gradient clipping and schedules, saving."""
 
 import os
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tfpipe
@@ -125,3 +129,84 @@ def test_predict_keeps_order_with_ragged_batches():
             [keras.layers.Identity(), keras.layers.Lambda(lambda t: t * 2.0)],
             input_shape=(None, 2))
     np.testing.assert_array_equal(model.predict(x, batch_size=8, verbose=0), x * 2.0)
+
+
+def _classifier():
+    """A softmax classifier from outside tfpipe's own tests, 2 layers."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="relu", name="encoder")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3, activation="softmax", name="head")(h))
+
+
+def _history(history):
+    return {k: np.round(v, 5).tolist() for k, v in history.history.items()}
+
+
+def _weighted_validated(model, x, y, _):
+    return _history(model.fit(x, y, batch_size=8, epochs=3, initial_epoch=1, shuffle=False,
+                              verbose=0, validation_split=0.25, validation_freq=2,
+                              class_weight={0: 1.0, 1: 2.0, 2: 0.5}))
+
+
+def _callbacks(model, x, y, folder):
+    stops = [keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=10.0),
+             keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=0, min_delta=10.0),
+             keras.callbacks.ModelCheckpoint(os.path.join(folder, "w.weights.h5"),
+                                             save_weights_only=True),
+             keras.callbacks.CSVLogger(os.path.join(folder, "log.csv"))]
+    history = model.fit(x, y, batch_size=8, epochs=5, shuffle=False, verbose=0, callbacks=stops)
+    with open(os.path.join(folder, "log.csv"), encoding="utf-8") as f:
+        return _history(history), sorted(os.listdir(folder)), f.read().splitlines()[0]
+
+
+def _on_batch(model, x, y, _):
+    model.train_on_batch(x[8:16], y[8:16])
+    trained = model.train_on_batch(x[:8], y[:8], return_dict=True)
+    tested = model.test_on_batch(x[8:16], y[8:16], return_dict=True)
+    return ({k: round(float(v), 5) for k, v in {**trained, **tested}.items()},
+            np.round(model.predict_on_batch(x[:8]), 5).tolist())
+
+
+def _backup_and_restore(model, x, y, folder):
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise KeyboardInterrupt
+    backup = os.path.join(folder, "backup")
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(backup), Interrupt()])
+    return _history(model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0,
+                              callbacks=[keras.callbacks.BackupAndRestore(backup)]))
+
+
+# (what the user does, the optimizer's options): Keras' fit options, callbacks and
+# one-batch calls, each with a gradient transform Keras applies to the summed
+# gradient, so that a per-micro-batch one would show.
+@pytest.mark.parametrize("use, options", [
+    (_weighted_validated, {"global_clipnorm": 0.01}),
+    (_callbacks, {"clipvalue": 0.001}),
+    (_on_batch, {"learning_rate": keras.optimizers.schedules.ExponentialDecay(0.01, 1, 0.5)}),
+    (_backup_and_restore, {"clipnorm": 0.001}),
+], ids=["class_weight-validation_split-initial_epoch", "callbacks", "on_batch-lr_schedule",
+        "backup_and_restore"])
+def test_keras_fit_options_and_callbacks_as_plain_keras(use, options, tmp_path):
+    """Weights within 1e-5 and the same history, files and returns as plain Keras."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(48, 6)).astype("float32"), rng.integers(0, 3, 48)
+    results = []
+    for pipelined in (False, True):
+        model = _classifier()
+        trained = model
+        if pipelined:
+            with tfpipe.PipelineStrategy(num_microbatches=2, devices=["/CPU:0", "/CPU:1"]).scope():
+                trained = tfpipe.PipelinedModel.from_model(model, balance=[1, 1])
+        trained.compile(optimizer=keras.optimizers.Adam(**{"learning_rate": 0.01, **options}),
+                        loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        folder = tmp_path / ("pipelined" if pipelined else "plain")
+        folder.mkdir()
+        results.append((model.get_weights(), use(trained, x, y, str(folder))))
+    (plain_weights, plain_said), (weights, said) = results
+    assert helpers.max_abs_diff(plain_weights, weights) < 1e-5
+    assert said == plain_said
