@@ -255,9 +255,10 @@ flags.DEFINE_integer("microbatches", _DEFAULTS.microbatches,
                      "Micro-batches M per training batch; at most --batch_size (a divisor "
                      "of it keeps the micro-batches the same size).")
 flags.DEFINE_string("schedule", _DEFAULTS.schedule,
-                    "Pipeline schedule: gpipe, 1f1b, interleaved (2 stages per device) or "
-                    "interleaved:v (v per device); passed to "
-                    "tfpipe.PipelineStrategy(schedule=...).")
+                    "Pipeline schedule: gpipe, 1f1b, interleaved (2 stages per device), "
+                    "interleaved:v (v per device), zbh1 (zero-bubble: each backward split "
+                    "into input and weight halves), zbv (zero-bubble, 2 stages per device in "
+                    "a V) or NAME/segments=N; passed to tfpipe.PipelineStrategy(schedule=...).")
 flags.DEFINE_enum("recompute", _DEFAULTS.recompute, list(config_lib.RECOMPUTE_MODES),
                   "Activation recomputation: always, except_last, never, or auto "
                   "(tfpipe's choice from memory, never where it fits; always for "
