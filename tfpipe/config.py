@@ -6,7 +6,8 @@ one reads it from the model's config when it traces a step; no layer stores a
 copy. Each setting comes from the argument given to the model, else from the
 `PipelineStrategy` in scope; a loaded model keeps its saved settings except
 those the strategy in scope was given explicitly. An execution nobody gives
-is chosen per config (`default_execution`) and saved as unset. What an
+is chosen per config (`default_execution`) and saved as unset; so is a
+schedule nobody gives (`default_schedule`). What an
 execution can do is data (`Execution`, `EXECUTIONS`): the runtime reads its
 traits, never its name. Pure Python: `launch/` checks its flags with these
 rules before TensorFlow starts.
@@ -128,6 +129,26 @@ def validate_num_microbatches(num_microbatches):
 STAGE_FUNCTIONS_FROM_MICROBATCHES = 8
 
 
+def default_schedule(num_microbatches, execution=None):
+    """The schedule of a config that was given none, for the `execution` given
+    (None: tfpipe's choice): "zbh1" from 2 micro-batches to fewer than
+    `STAGE_FUNCTIONS_FROM_MICROBATCHES` where the execution is unrolled, else
+    "gpipe".
+
+    Measured (BUILD.md, "The planner against measured steps"): ZB-H1 ran the
+    fastest step of GPipe, 1F1B and ZB-H1 on the transformer and the MLP at
+    M = 4 and 8, 8-9% under GPipe at M = 4, with fewer live activations; it
+    holds each W apart only in the unrolled form, whose first call passes
+    1.5x plain Keras' from M = 8, where GPipe with stage functions is chosen.
+    A loss that needs every forward before the first backward makes the model
+    fall back to GPipe (`PipelineConfig.fall_back_to_gpipe`).
+    """
+    if execution in (None, "unrolled") and \
+            2 <= num_microbatches < STAGE_FUNCTIONS_FROM_MICROBATCHES:
+        return "zbh1"
+    return "gpipe"
+
+
 def default_execution(num_microbatches, schedule, xla_per_stage=False):
     """The execution of a config that was given none: "unrolled" or "stage_functions".
 
@@ -152,7 +173,9 @@ class PipelineConfig:
     """How a pipeline runs: M, a `Schedule`, and the recompute, execution,
     batch_norm and call_losses modes. Build it with `PipelineConfig.make`, which checks.
     `execution_chosen`: tfpipe chose the execution (`default_execution`), so
-    `settings` and `to_json` leave it unset. `recompute_chosen`: likewise for
+    `settings` and `to_json` leave it unset; `schedule_chosen` likewise for the
+    schedule (`default_schedule`), and `schedule_reason` says why the model
+    fell back to GPipe, if it did. `recompute_chosen`: likewise for
     the recompute mode, which is the execution's default until the model
     chooses it from memory before its first training step
     (`tfpipe.recompute_choice`, `choose_recompute`); `recompute_reason` says why.
@@ -167,6 +190,8 @@ class PipelineConfig:
     call_losses: str = "checked"
     recompute_chosen: bool = False
     recompute_reason: str = ""
+    schedule_chosen: bool = False
+    schedule_reason: str = ""
 
     @classmethod
     def make(cls, num_microbatches=None, schedule=None, recompute=None, execution=None,
@@ -175,7 +200,9 @@ class PipelineConfig:
         `default_execution`, recompute's depends on the execution)."""
         num_microbatches = validate_num_microbatches(
             1 if num_microbatches is None else num_microbatches)
-        schedule = schedules.get("gpipe" if schedule is None else schedule)
+        schedule_chosen = schedule is None
+        schedule = schedules.get(default_schedule(num_microbatches, execution)
+                                 if schedule_chosen else schedule)
         chosen = execution is None
         if chosen:
             execution = default_execution(num_microbatches, schedule)
@@ -191,6 +218,7 @@ class PipelineConfig:
             execution_chosen=chosen,
             call_losses=validate_call_losses("checked" if call_losses is None else call_losses),
             recompute_chosen=recompute_chosen,
+            schedule_chosen=schedule_chosen,
         )
 
     @property
@@ -208,8 +236,24 @@ class PipelineConfig:
         run every recompute mode, so the recompute setting stays."""
         if not self.execution_chosen:
             return self
-        return dataclasses.replace(self, execution=default_execution(
-            self.num_microbatches, self.schedule, xla_per_stage))
+        schedule = self.schedule
+        if self.schedule_chosen and not self.schedule_reason:
+            schedule = schedules.get(default_schedule(
+                self.num_microbatches, "stage_functions" if xla_per_stage else None))
+        return dataclasses.replace(self, schedule=schedule, execution=default_execution(
+            self.num_microbatches, schedule, xla_per_stage))
+
+    def fall_back_to_gpipe(self, reason):
+        """This config running GPipe, which tfpipe chose for `reason` in place of
+        the schedule it chose; a recompute mode it chose is chosen again."""
+        execution = (default_execution(self.num_microbatches, schedules.GPipe())
+                     if self.execution_chosen else self.execution)
+        recompute = (resolve_recompute(None, execution) if self.recompute_chosen
+                     else self.recompute)
+        return dataclasses.replace(self, schedule=schedules.GPipe(), schedule_reason=reason,
+                                   execution=execution, recompute=recompute,
+                                   recompute_reason="" if self.recompute_chosen
+                                   else self.recompute_reason)
 
     @property
     def traits(self):
@@ -218,9 +262,11 @@ class PipelineConfig:
 
     def settings(self):
         """The settings as given, a dict of plain values (the schedule as an
-        instance); the execution is None where tfpipe chose it, so that making
-        a config from them chooses again (at the M then in force)."""
+        instance); the schedule and execution are None where tfpipe chose them,
+        so that making a config from them chooses again (at the M then in force)."""
         out = {name: getattr(self, name) for name in FIELDS}
+        if self.schedule_chosen:
+            out["schedule"] = None
         if self.execution_chosen:
             out["execution"] = None
         if self.recompute_chosen:
@@ -230,13 +276,15 @@ class PipelineConfig:
     def to_json(self):
         """The settings as JSON-friendly values (the schedule by its spec)."""
         out = self.settings()
-        out["schedule"] = schedules.to_config(self.schedule)
+        if out["schedule"] is not None:
+            out["schedule"] = schedules.to_config(self.schedule)
         return out
 
     @classmethod
     def from_json(cls, config):
         config = dict(config)
-        config["schedule"] = schedules.from_config(config["schedule"])
+        if config.get("schedule") is not None:
+            config["schedule"] = schedules.from_config(config["schedule"])
         return cls.make(**config)
 
 

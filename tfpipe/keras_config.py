@@ -13,6 +13,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from tfpipe import config as config_lib
 from tfpipe import placement
 from tfpipe import saving
 from tfpipe import strategy as strategy_lib
@@ -68,6 +69,8 @@ class KerasConfig:
         config = dict(config)
         strategy = strategy_lib.current_pipeline_host() or strategy_lib.PipelineStrategy()
         settings = saving.load_settings(config, strategy.given_settings)
+        # The schedule the settings run (tfpipe's choice where none is set).
+        schedule = config_lib.PipelineConfig.make(**settings).schedule
         request = saving.current_load_request()
         name, input_dtype = config.pop("name", None), config.pop("input_dtype", "float32")
         with strategy.scope() if strategy_lib.current_pipeline_host() is None \
@@ -79,14 +82,14 @@ class KerasConfig:
                         config["source_model"], custom_objects=custom_objects)
                 named = {} if name is None else {"name": name}
                 balance = saving.saved_balance(
-                    config["balance"], strategy, settings["schedule"],
+                    config["balance"], strategy, schedule,
                     where=f"The saved model {name!r}")
                 pipelined = cls.from_model(source, balance=balance, **named, **settings)
                 if balance == config["balance"]:
                     pipelined._source.method = config.get("balance_method", "explicit")
                 return pipelined
             if request is not None and (request.balance is not None or len(
-                    config["stages"]) != strategy.max_stages(settings["schedule"])):
+                    config["stages"]) != strategy.max_stages(schedule)):
                 raise ValueError(
                     f"{request.path} holds {len(config['stages'])} hand-made stages, which "
                     f"cannot be cut again. Load it under a strategy with as many stage "
@@ -94,7 +97,7 @@ class KerasConfig:
                     f"(re-cuttable) and save that.")
             stage_configs = config.pop("stages")
             try:
-                devices = strategy.pipeline_devices(len(stage_configs), settings["schedule"])[1]
+                devices = strategy.pipeline_devices(len(stage_configs), schedule)[1]
             except ValueError:
                 devices = ()  # __init__ below raises the same error, with context
             stages = saving.deserialize_stages(stage_configs, devices, custom_objects)

@@ -264,6 +264,11 @@ def _same_rank(x1, x2):
     return x1, x2
 
 
+class NeedsForwardsFirst(ValueError):
+    """A loss this schedule cannot split: only a schedule that runs every
+    forward before the first backward (GPipe) can."""
+
+
 class Plan:
     """How one step seeds the last stage's backward, and what it reports.
 
@@ -300,7 +305,7 @@ class Plan:
                          "the replicas before its backward passes")
             fix = ("schedule='gpipe' (every forward before the first backward)"
                    if not forwards_first else "execution='unrolled'")
-            raise ValueError(
+            raise (NeedsForwardsFirst if not forwards_first else ValueError)(
                 f"Loss {names} is averaged over the elements its mask or sample "
                 f"weights leave (e.g. masked tokens, ignore_class), a count known only "
                 f"after every micro-batch's forward pass; {when}, and with {losses} the "

@@ -397,8 +397,24 @@ class PipelinedModel(keras_config.KerasConfig, keras_calls.KerasCalls, _internal
         batch = self.split_batch(data, sample=self._sample_batch)
         split = self.loss_split()
         scale = self.optimizer.scale_loss if self.optimizer is not None else None
-        pipeline = self._replica_pipeline()
-        result = pipeline.train(batch, split, scale)
+        try:
+            result = self._replica_pipeline().train(batch, split, scale)
+        except loss_lib.NeedsForwardsFirst:
+            config = self.pipeline_config
+            if not config.schedule_chosen:
+                raise
+            # The loss decides it, known once the step is traced: GPipe splits
+            # every loss, so the schedule tfpipe chose gives way (the refused
+            # step was only traced, never run). The first replica to meet it
+            # switches every replica's pipeline.
+            if not config.schedule_reason:
+                self._use_config(config.fall_back_to_gpipe(
+                    f"the loss needs every forward before the first backward, so not "
+                    f"{config.schedule.name}"), keep_steps=True)
+                if self.pipeline_config.recompute_pending:
+                    self._choose_recompute(keras.utils.unpack_x_y_sample_weight(data)[0])
+            batch = self.split_batch(data, sample=self._sample_batch)
+            result = self._replica_pipeline().train(batch, split, scale)
         gradients_lib.check_reached(result.table, result.grads,
                                     [stage.name for stage in self.stages], self.name)
         pairs = list(zip(result.grads, result.table.variables))

@@ -15,7 +15,8 @@ def stage_table(stages, stage_devices, outputs, config, num_devices, replica_dev
     sim = schedules.simulate(config.schedule, config.num_microbatches, num_devices)
     lines = [
         f"Pipeline: {k} stage(s) on {num_devices} device(s) x "
-        f"{config.num_microbatches} micro-batch(es), schedule={config.schedule.name}, "
+        f"{config.num_microbatches} micro-batch(es), schedule={config.schedule.name}"
+        f"{_schedule_note(config)}, "
         f"recompute={config.recompute}{_recompute_note(config)}, execution={config.execution}"
         f"{' (tfpipe chose it)' if config.execution_chosen else ''}, "
         f"call_losses={config.call_losses}, "
@@ -43,6 +44,12 @@ def stage_table(stages, stage_devices, outputs, config, num_devices, replica_dev
                else f"from_model, by {balance_method}")
         lines.append(f"Balance: {balance} units per stage ({how})")
     return "\n".join(lines)
+
+
+def _schedule_note(config):
+    if not config.schedule_chosen:
+        return ""
+    return f" (tfpipe chose it{': ' + config.schedule_reason if config.schedule_reason else ''})"
 
 
 def _recompute_note(config):

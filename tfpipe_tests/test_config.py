@@ -89,6 +89,35 @@ def test_config_round_trips_through_json():
     assert again == config and again.recompute == "always"
 
 
+# (M, execution given, the schedule tfpipe chooses, its execution): ZB-H1 where
+# it runs unrolled below M = 8 (BUILD.md: the fastest measured step there);
+# GPipe at M = 1, from M = 8 (stage functions) and under other executions.
+@pytest.mark.parametrize("num_microbatches, execution, schedule, chosen_execution", [
+    (1, None, "gpipe", "unrolled"),
+    (2, None, "zbh1", "unrolled"),
+    (7, "unrolled", "zbh1", "unrolled"),
+    (8, None, "gpipe", "stage_functions"),
+    (4, "stage_functions", "gpipe", "stage_functions"),
+    (4, "loop", "gpipe", "loop"),
+])
+def test_an_unset_schedule_is_chosen_and_saved_unset(num_microbatches, execution, schedule,
+                                                     chosen_execution):
+    config = tfpipe.PipelineConfig.make(num_microbatches=num_microbatches, execution=execution)
+    assert (config.schedule.name, config.schedule_chosen, config.execution) == (
+        schedule, True, chosen_execution)
+    assert config.to_json()["schedule"] is None and config.settings()["schedule"] is None
+    assert tfpipe.PipelineConfig.from_json(config.to_json()) == config
+    # Chosen again at another M; `jit_compile=True` on several devices (stage
+    # functions) chooses GPipe; a given schedule stays.
+    again = tfpipe.PipelineConfig.make(**{**config.settings(), "num_microbatches": 8})
+    assert again.schedule.name == "gpipe"
+    if execution is None:
+        assert config.choose_execution(xla_per_stage=True).schedule.name == "gpipe"
+    given = tfpipe.PipelineConfig.make(num_microbatches=num_microbatches, schedule="zbh1")
+    assert (given.schedule_chosen, given.to_json()["schedule"]["class"]) == (
+        False, "ZeroBubbleH1")
+
+
 @pytest.mark.parametrize("num_microbatches, schedule, expected", [
     (1, "gpipe", "unrolled"),
     (4, "1f1b", "unrolled"),

@@ -181,6 +181,32 @@ def test_two_replicas_of_two_stages_train_like_plain_keras(model, schedule, exec
                                plain["predict"], atol=1e-5)
 
 
+# (replicas, schedule given): the schedule tfpipe chose (ZB-H1 at M = 2) falls
+# back to GPipe for a masked-count loss with call losses, and says so; a given
+# ZB-H1 is refused with the fix.
+@pytest.mark.parametrize("replicas, schedule", [(1, None), (2, None), (1, "zbh1")])
+def test_a_loss_only_gpipe_splits_makes_the_chosen_schedule_fall_back(replicas, schedule):
+    x, y, _ = _tokens(32)
+    plain = _masked_tagger(activity="l2")
+    strategy = tfpipe.PipelineStrategy(num_replicas=replicas, num_microbatches=2,
+                                       schedule=schedule)
+    with strategy.scope():
+        pipelined = tfpipe.PipelinedModel.from_model(helpers.twin(plain), balance=[2, 1])
+        _compile(pipelined)
+    assert pipelined.schedule.name == "zbh1"
+    if schedule is not None:
+        with pytest.raises(ValueError, match="Use schedule='gpipe'"):
+            pipelined.fit(x, y, batch_size=16, verbose=0)
+        return
+    _compile(plain)
+    plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    pipelined.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert helpers.max_abs_diff(plain.get_weights(), pipelined.source_model.get_weights()) < 1e-5
+    assert (pipelined.schedule.name, pipelined.execution) == ("gpipe", "unrolled")
+    assert ("schedule=gpipe (tfpipe chose it: the loss needs every forward before the first "
+            "backward, so not zbh1)") in pipelined.pipeline_summary()
+
+
 def test_masked_loss_with_call_losses_in_the_loop_names_the_fix():
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 10, (16, 6)).astype("int32"), rng.integers(0, 4, (16, 6))

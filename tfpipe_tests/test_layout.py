@@ -234,7 +234,7 @@ ERRORS = [
      "This PipelinedModel config has no 'pipeline' settings"),
     ("plain_keras_load_at_fewer_devices", lambda p: _plain_load_in_2(_saved_at_4(p)),
      "holds a pipeline of 4 stages (balance=[2, 1, 1, 3]), but the PipelineStrategy in "
-     "scope places at most 2 with schedule='gpipe'. Load it with tfpipe.load_model(path)"),
+     "scope places at most 2 with schedule='zbh1'. Load it with tfpipe.load_model(path)"),
     ("hand_made_stages_re_cut", lambda p: _load_in_1(_hand_made_at_2(p)),
      "holds 2 hand-made stages, which cannot be cut again."),
     ("unknown_setting", lambda p: tfpipe.load_model(_saved_at_4(p), devices=["/CPU:0"]),

@@ -304,7 +304,7 @@ def test_next_action_waits_for_the_weight_gradients_of_a_backward():
     # could run that backward's weight-gradient matmuls late and keep every
     # micro-batch's tensors alive (recompute then saves no memory).
     strategy = tfpipe.PipelineStrategy(devices=["/CPU:0", "/CPU:1"], num_microbatches=2,
-                                       recompute="always")
+                                       schedule="gpipe", recompute="always")
     with strategy.scope():
         model = tfpipe.PipelinedModel([keras.layers.Dense(4), keras.layers.Dense(3)],
                                       input_shape=(None, 8))
