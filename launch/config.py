@@ -37,7 +37,7 @@ class TrainConfig:
     max_examples: int = 0  # if > 0, use at most this many examples of each split
     stages: int = 4
     microbatches: int = 4
-    schedule: str = "gpipe"
+    schedule: str = "auto"  # auto: tfpipe.config.default_schedule (ZB-H1 for 2 <= M < 8)
     recompute: str = "auto"  # auto: tfpipe's default for the execution
     execution: str = "auto"  # auto: tfpipe.config.default_execution (unrolled below M=8)
     timeline: bool = True  # record one step's pipeline timeline at the end
@@ -81,9 +81,21 @@ FLAGS = actions.Spelling(flags={"num_stages": "stages", "num_microbatches": "mic
                            unset="auto")
 
 
+def placing_schedule(schedule):
+    """The schedule whose stage placement --schedule=`schedule` has: its own,
+    or for auto GPipe's, since tfpipe chooses among schedules of one stage per
+    device (`tfpipe.config.default_schedule`: ZB-H1 or GPipe)."""
+    return "gpipe" if schedule == "auto" else schedule
+
+
+def schedule_setting(config):
+    """--schedule as `tfpipe.PipelineStrategy(schedule=...)` takes it (auto: None)."""
+    return None if config.schedule == "auto" else config.schedule
+
+
 def num_devices(config):
     """Devices the pipeline needs: one per stage, or stages / v when interleaved."""
-    return schedules.devices_needed(config.schedule, config.stages)
+    return schedules.devices_needed(placing_schedule(config.schedule), config.stages)
 
 
 # -- one setting at a time: value -> None (fine) or what is wrong -----------------
@@ -126,13 +138,15 @@ def _check_dataset(value):
 
 
 def _check_schedule(value):
+    if value == "auto":
+        return None
     match = isinstance(value, str) and re.fullmatch(r"interleaved:([0-9]+)", value.lower())
     if match and int(match.group(1)) < 1:
         return f"interleaved:V needs V >= 1 stages per device, got {value!r}"
     try:
         schedules.get(value)
     except ValueError:
-        return (f"unknown schedule {value!r}; valid choices: gpipe, 1f1b, interleaved "
+        return (f"unknown schedule {value!r}; valid choices: auto, gpipe, 1f1b, interleaved "
                 f"(2 stages per device), interleaved:V (V stages per device, V >= 1), "
                 f"zbh1, zbv (2 stages per device, in a V), or NAME/segments=N (each "
                 f"stage recomputed in N pieces)")
@@ -333,7 +347,8 @@ def _model_takes_the_dataset(s):
 
 def _stages_fit_the_schedule(s):
     try:
-        schedules.devices_needed(s["schedule"], s["stages"], s["microbatches"], FLAGS)
+        schedules.devices_needed(placing_schedule(s["schedule"]), s["stages"],
+                                 s["microbatches"], FLAGS)
     except ValueError as err:
         return str(err)
     return None
@@ -370,7 +385,7 @@ def _cluster_holds_the_stages(s):
     workers = cluster_workers(s["cluster"])
     if isinstance(workers, str):
         return workers
-    needed = schedules.devices_needed(s["schedule"], s["stages"])
+    needed = schedules.devices_needed(placing_schedule(s["schedule"]), s["stages"])
     if workers < needed:
         fix = (f"--cluster=local:{needed}" if s["cluster"] != "tf_config"
                else f"{needed} workers in TF_CONFIG")
@@ -429,7 +444,7 @@ def _devices_exist(s):
     if s["cluster"] or s["tpu"]:
         return None  # the workers' devices: _cluster_holds_the_stages; a TPU's: when connected
     try:
-        needed = schedules.devices_needed(s["schedule"], s["stages"])
+        needed = schedules.devices_needed(placing_schedule(s["schedule"]), s["stages"])
     except ValueError:
         return None  # _stages_fit_the_schedule says why
     needed *= replica_count(s["replicas"])

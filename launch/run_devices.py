@@ -62,7 +62,8 @@ class RunDevices:
 
 def model_settings(config):
     """The pipeline settings of `config`, as `PipelinedModel.from_model` takes them."""
-    return dict(num_microbatches=config.microbatches, schedule=config.schedule,
+    return dict(num_microbatches=config.microbatches,
+                schedule=config_lib.schedule_setting(config),
                 execution=None if config.execution == "auto" else config.execution,
                 recompute=None if config.recompute == "auto" else config.recompute)
 
@@ -83,7 +84,7 @@ def pipeline_strategy(config, devices=None):
             devices=_local_devices(config) if devices is None else devices,
             num_replicas=replicas, **settings)
         for replica in range(replicas):
-            strategy.pipeline_devices(config.stages, config.schedule, replica)
+            strategy.pipeline_devices(config.stages, config_lib.schedule_setting(config), replica)
         return strategy
     except ValueError as err:  # too few devices: the library's check
         raise RunError(f"--stages={config.stages} with --schedule={config.schedule}"
@@ -201,7 +202,8 @@ def connect(config, stop):
 
 def _print_stage_devices(config, strategy, spec, pids):
     """One line per worker device: its address (and pid) and its stages."""
-    devices, stage_devices = strategy.pipeline_devices(config.stages, config.schedule)
+    devices, stage_devices = strategy.pipeline_devices(config.stages,
+                                                       config_lib.schedule_setting(config))
     addresses = tfpipe.cluster.task_addresses(spec)
     print(f"--cluster={config.cluster}: this process is the client; stage devices:")
     for k, device in enumerate(devices):

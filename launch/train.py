@@ -255,7 +255,9 @@ flags.DEFINE_integer("microbatches", _DEFAULTS.microbatches,
                      "Micro-batches M per training batch; at most --batch_size (a divisor "
                      "of it keeps the micro-batches the same size).")
 flags.DEFINE_string("schedule", _DEFAULTS.schedule,
-                    "Pipeline schedule: gpipe, 1f1b, interleaved (2 stages per device), "
+                    "Pipeline schedule: auto (tfpipe's choice, measured: zbh1 for "
+                    "2 <= --microbatches < 8 unrolled, else gpipe; gpipe where the loss needs "
+                    "every forward first), gpipe, 1f1b, interleaved (2 stages per device), "
                     "interleaved:v (v per device), zbh1 (zero-bubble: each backward split "
                     "into input and weight halves), zbv (zero-bubble, 2 stages per device in "
                     "a V) or NAME/segments=N; passed to tfpipe.PipelineStrategy(schedule=...).")

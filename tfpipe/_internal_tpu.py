@@ -1,5 +1,6 @@
-"""The private TensorFlow and Keras APIs tfpipe uses for a TPUStrategy: the
-metadata a cluster resolver hands it, its SPMD setting and core names. Part of `_internal`'s boundary (pinned by
+"""The private TensorFlow APIs tfpipe uses for a TPUStrategy: the
+metadata a cluster resolver hands it, its SPMD setting and core names. Part
+of `_internal`'s boundary (pinned by
 `tfpipe_tests/test_testing_and_internal.py`)."""
 # pylint: disable=protected-access
 

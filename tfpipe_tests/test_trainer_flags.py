@@ -52,7 +52,7 @@ BAD_FLAGS = [
     ("--execution=graph", "flag --execution=graph: value should be one of "
                           "<auto|unrolled|stage_functions|loop>"),
     ("--schedule=gpipee", "flag --schedule=gpipee: unknown schedule 'gpipee'; valid choices: "
-                          "gpipe, 1f1b, interleaved (2 stages per device), interleaved:V (V "
+                          "auto, gpipe, 1f1b, interleaved (2 stages per device), interleaved:V (V "
                           "stages per device, V >= 1), zbh1, zbv (2 stages per device, in a "
                           "V), or NAME/segments=N (each stage recomputed in N pieces)"),
     ("--schedule=interleaved:0", "flag --schedule=interleaved:0: interleaved:V needs V >= 1 "
@@ -118,8 +118,8 @@ BAD_FLAGS = [
      "flags tpu=my_tpu, cluster=, replicas=2, microbatches=4, batch_size=12: --tpu=my_tpu "
      "compiles one program per replica, so every micro-batch has one static size: "
      "--batch_size=12 must be a multiple of --microbatches x --replicas = 4 x 2 = 8."),
-    ("--stages=8", "flags stages=8, schedule=gpipe, replicas=1, logical_cpus=4, cluster=, tpu=: "
-                   "--stages=8 with --schedule=gpipe needs 8 devices, but --logical_cpus=4 "
+    ("--stages=8", "flags stages=8, schedule=auto, replicas=1, logical_cpus=4, cluster=, tpu=: "
+                   "--stages=8 with --schedule=auto needs 8 devices, but --logical_cpus=4 "
                    "(and there is no GPU). Use --logical_cpus=8."),
 ]
 
@@ -152,10 +152,10 @@ def test_a_bad_flag_is_one_line_before_tensorflow_starts(tmp_path, flags_, line)
     ({"max_examples": 1}, "--dataset=digits has 1 training example(s) (--max_examples=1), "
                           "fewer than --microbatches=2: every training batch would leave "
                           "micro-batches empty. Use more examples or fewer micro-batches."),
-    ({"stages": 8}, "--stages=8 with --schedule=gpipe needs 8 devices, but --logical_cpus=4 "
+    ({"stages": 8}, "--stages=8 with --schedule=auto needs 8 devices, but --logical_cpus=4 "
                     "(and there is no GPU). Use --logical_cpus=8."),
     ({"stages": 2, "replicas": "4"},
-     "--stages=2 with --schedule=gpipe and --replicas=4 needs 8 devices, but "
+     "--stages=2 with --schedule=auto and --replicas=4 needs 8 devices, but "
      "--logical_cpus=4 (and there is no GPU). Use --logical_cpus=8."),
     ({"dataset": "tfds:no_such_set_xyz", "data_dir": "/nonexistent/tfds"},
      "TensorFlow Datasets has no data set 'no_such_set_xyz': it is neither a registered TFDS "

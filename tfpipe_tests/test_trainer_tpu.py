@@ -84,7 +84,7 @@ def test_tpu_local_without_a_tpu_is_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1, proc.stderr
     assert lines[-1].startswith(
-        "launch.train: error: --tpu=local with --stages=2, --schedule=gpipe: TPUs not found "
+        "launch.train: error: --tpu=local with --stages=2, --schedule=auto: TPUs not found "
         "in the cluster."), lines
     assert lines[-1].endswith(
         "Run on a Cloud TPU VM (--tpu=local) or name a reachable TPU, with stages (or "
