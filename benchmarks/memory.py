@@ -16,7 +16,8 @@ Step memory, per mode and K in `--devices`, with `--layers` layers and M =
 `--microbatches`; the "default" row is tfpipe's own choice of recompute mode
 (`tfpipe.recompute_choice`) for devices it is told have `--device_mib` each
 (`PipelineStrategy(device_memory_bytes=...)`): "never" where its predicted peak
-is within half of that, else "except_last" (*mode run* says which):
+is within half of that, else "except_last" (*mode run* says which), under the
+schedule tfpipe chooses (ZB-H1 at 2 <= M < 8); the modes' rows run GPipe:
 
   step MiB       the child's peak resident set minus its peak once model and
                  data were built (what a child that never steps peaks at):
@@ -87,8 +88,11 @@ def _model(mode, layers, width, num_microbatches, num_devices, device_mib):
     if layers % num_devices:
         raise ValueError(f"{layers} layers do not cut into {num_devices} equal stages")
     default = mode == "default"
+    # The modes' rows run GPipe (the schedule of the tables in BUILD.md); the
+    # default row everything tfpipe chooses, the schedule too.
     strategy = tfpipe.PipelineStrategy(devices=[f"/CPU:{i}" for i in range(num_devices)],
                                        num_microbatches=num_microbatches,
+                                       schedule=None if default else "gpipe",
                                        recompute=None if default else mode,
                                        device_memory_bytes=device_mib * 2**20 if default else None)
     with strategy.scope():

@@ -43,7 +43,7 @@ import time
 
 from benchmarks import common
 
-SCHEDULES = ("gpipe", "1f1b", "zbh1")
+SCHEDULES = ("gpipe", "1f1b", "zbh1", "default")  # default: tfpipe's choice (None)
 RECOMPUTE = ("never", "except_last", "always", "default")  # default: tfpipe's (None)
 EXECUTIONS = ("auto", "unrolled", "stage_functions", "loop")
 MODEL = {"layers": 8, "width": 512, "batch": 2048}
@@ -51,9 +51,9 @@ MODEL = {"layers": 8, "width": 512, "batch": 2048}
 TRANSFORMER = {"layers": 8, "width": 128, "batch": 32, "heads": 8, "seq_len": 64}
 MODELS = ("mlp", "transformer")
 TIMING = {"warmup": 2, "repeats": 5, "steps": 3}
-FIELDS = ("execution", "plain_ms", "step_ms", "speedup", "ideal", "trace_s", "plain_trace_s",
-          "trace_ratio", "recompute_used", "peak_rss_mib", "runs_ms", "plain_runs_ms",
-          "tfpipe_file")
+FIELDS = ("execution", "schedule_used", "plain_ms", "step_ms", "speedup", "ideal", "trace_s",
+          "plain_trace_s", "trace_ratio", "recompute_used", "peak_rss_mib", "runs_ms",
+          "plain_runs_ms", "tfpipe_file")
 
 
 # -- in the child ---------------------------------------------------------------------
@@ -147,6 +147,7 @@ def measure(num_devices, num_microbatches, schedule, recompute="never", executio
     import tfpipe  # pylint: disable=import-outside-toplevel
     from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
     keras.utils.set_random_seed(seed)
+    schedule = None if schedule == "default" else schedule
     gen = tf.random.Generator.from_seed(seed)
     if model == "transformer":
         x = gen.uniform((batch, seq_len), 0, 256, tf.int32)
@@ -173,9 +174,10 @@ def measure(num_devices, num_microbatches, schedule, recompute="never", executio
     runs = common.alternate({"plain": lambda: plain(steps),
                              "tfpipe": lambda: pipelined(steps)}, repeats)
     plain_ms, step_ms = common.median(runs["plain"]), common.median(runs["tfpipe"])
-    sim = tfpipe.schedules.simulate(schedule, num_microbatches, num_devices, 1.0, 2.0,
+    sim = tfpipe.schedules.simulate(model.schedule, num_microbatches, num_devices, 1.0, 2.0,
                                     recompute=model.recompute)
-    return {"execution": model.execution, "plain_ms": plain_ms, "step_ms": step_ms,
+    return {"execution": model.execution, "schedule_used": model.schedule.name,
+            "plain_ms": plain_ms, "step_ms": step_ms,
             "speedup": plain_ms / step_ms, "ideal": 3.0 * num_microbatches * num_devices
             / sim.makespan, "trace_s": trace_s, "plain_trace_s": plain_first,
             "trace_ratio": trace_s / plain_first, "recompute_used": model.recompute,
@@ -222,7 +224,7 @@ def run(rows, trees=(("new", None),), log=print, timeout=1800, **kwargs):
 def table(rows):
     return common.tree_table(
         [("K", "num_devices", 0), ("M", "num_microbatches", 0), ("schedule", "schedule", 0),
-         ("execution", "execution", 0), ("recompute", "recompute_used", 0),
+         ("runs", "schedule_used", 0), ("execution", "execution", 0), ("recompute", "recompute_used", 0),
          ("plain ms", "plain_ms", 1), ("tfpipe ms", "step_ms", 1), ("speed-up", "speedup", 2),
          ("ideal (simulated)", "ideal", 2), ("trace s (first call)", "trace_s", 2),
          ("first call / plain's", "trace_ratio", 2)],

@@ -50,7 +50,8 @@ def define_flags():
     flags.DEFINE_integer("microbatches", _DEFAULTS.microbatches, "Micro-batches M per step.")
     flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Rows per training step.")
     flags.DEFINE_string("schedule", _DEFAULTS.schedule,
-                        "gpipe, 1f1b, interleaved[:v], zbh1, zbv or NAME/segments=N.")
+                        "auto (tfpipe's choice), gpipe, 1f1b, interleaved[:v], zbh1, zbv or "
+                        "NAME/segments=N.")
     flags.DEFINE_enum("recompute", _DEFAULTS.recompute, list(config_lib.RECOMPUTE_MODES),
                       "always, except_last, never, or auto (tfpipe's default).")
     flags.DEFINE_enum("execution", _DEFAULTS.execution, list(config_lib.EXECUTIONS),

@@ -13,6 +13,7 @@ import keras
 import numpy as np
 
 from tfpipe import actions
+from tfpipe import config as config_lib
 from tfpipe import costs
 from tfpipe import devices as devices_lib
 from tfpipe import graph as graph_lib
@@ -202,7 +203,8 @@ def plan(model, batch_size, num_microbatches, num_stages=None, devices=None, sch
 
     `model`: what `PipelinedModel.from_model` takes, or a built
     `PipelinedModel`, whose K, devices, schedule and recompute mode are the
-    defaults (else v x every GPU or logical CPU, "gpipe"); a recompute mode
+    defaults (else v x every GPU or logical CPU, and the schedule a model
+    given none would run at M: `tfpipe.config.default_schedule`); a recompute mode
     nobody gave is chosen as the model chooses it, from the predicted peak of
     "never" and the devices' memory (`tfpipe.recompute_choice`).
     `optimizer`: a name, a Keras optimizer or slots per parameter. `repeats`:
@@ -232,7 +234,8 @@ def plan(model, batch_size, num_microbatches, num_stages=None, devices=None, sch
         raise ValueError(f"tfpipe.plan({pipelined.name!r}): {refusal}")
     n_units = len(graph.units)
     if schedule is None:
-        schedule = pipelined.schedule if pipelined is not None else "gpipe"
+        schedule = (pipelined.schedule if pipelined is not None
+                    else config_lib.default_schedule(m))
     schedule = schedules.get(schedule)
     reason = ""
     config = pipelined.pipeline_config if pipelined is not None else None

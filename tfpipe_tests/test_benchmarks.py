@@ -127,6 +127,7 @@ def test_a_tiny_run_writes_the_rows_its_table_prints(tmp_path, module, trees, la
         tfpipe_roots = [pathlib.Path(r["tfpipe_file"]).parents[1] for r in rows]
         assert tfpipe_roots == [helpers.REPO] + ([tmp_path / "old"] if trees else [])
         assert rows[0]["ideal"] == pytest.approx(4 / 3)  # 1F1B, K=2, M=2: 2*2*3 / 9
+        assert rows[0]["schedule_used"] == "1f1b"
 
 
 def test_a_child_that_raises_comes_back_as_an_error_row_naming_it():

@@ -241,7 +241,7 @@ REFUSALS = [
     # with the run, and refused without --reshard.
     ("other_microbatches_without_reshard", None, {"microbatches": 4, "schedule": "1f1b"},
      lambda ckpt: (f"--resume: {ckpt.parent} holds a run with other settings (microbatches: "
-                   f"2 then, 4 now; schedule: 'gpipe' then, '1f1b' now). Use the same settings "
+                   f"2 then, 4 now; schedule: 'auto' then, '1f1b' now). Use the same settings "
                    f"(or add --reshard to continue at the new microbatches, schedule: the run "
                    f"then follows them from here), or another --model_dir without --resume.")),
     ("reshard_to_another_depth", None, {"stages": 4, "depth": 6, "reshard": True},
@@ -293,8 +293,8 @@ def test_reshard_resumes_at_another_stage_count_like_the_uninterrupted_run(
     out = capsys.readouterr().out
     assert f"Resuming from {model_dir / 'checkpoints'}/ckpt-6 (step 6)." in out
     then, now = {"stages": 2}, {"stages": stages}
-    if schedule != "gpipe":  # the settings that changed, each named
-        then["schedule"], now["schedule"] = "gpipe", schedule
+    if schedule != "auto":  # the settings that changed, each named (written at auto)
+        then["schedule"], now["schedule"] = "auto", schedule
     assert f"--reshard: checkpoint written at {then}, continuing at {now}." in out
     assert len(result["model"].stages) == stages
     for ours, theirs in zip(runs.weights(result["model"]), reference["weights"], strict=True):
