@@ -149,6 +149,17 @@ def default_schedule(num_microbatches, execution=None):
     return "gpipe"
 
 
+def default_schedule_reason(num_microbatches, schedule_name):
+    """Why `default_schedule` chose `schedule_name` at M = `num_microbatches`
+    (a phrase for `summary()`)."""
+    if schedule_name == "zbh1":
+        return "the fastest step measured from M=2 to 7; it holds each W apart when unrolled"
+    if num_microbatches < 2:
+        return "one micro-batch: no pipeline order to choose"
+    return ("GPipe from M=8 and under stage functions or the loop, where ZB-H1 cannot hold "
+            "its W halves apart")
+
+
 def default_execution(num_microbatches, schedule, xla_per_stage=False):
     """The execution of a config that was given none: "unrolled" or "stage_functions".
 

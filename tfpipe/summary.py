@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpipe import config as config_lib
 from tfpipe import schedules
 
 
@@ -49,7 +50,9 @@ def stage_table(stages, stage_devices, outputs, config, num_devices, replica_dev
 def _schedule_note(config):
     if not config.schedule_chosen:
         return ""
-    return f" (tfpipe chose it{': ' + config.schedule_reason if config.schedule_reason else ''})"
+    why = config.schedule_reason or config_lib.default_schedule_reason(
+        config.num_microbatches, config.schedule.name)
+    return f" (tfpipe chose it: {why})"
 
 
 def _recompute_note(config):

@@ -116,6 +116,10 @@ def test_an_unset_schedule_is_chosen_and_saved_unset(num_microbatches, execution
     given = tfpipe.PipelineConfig.make(num_microbatches=num_microbatches, schedule="zbh1")
     assert (given.schedule_chosen, given.to_json()["schedule"]["class"]) == (
         False, "ZeroBubbleH1")
+    why = {"zbh1": "the fastest step measured from M=2 to 7",
+           "gpipe": "one micro-batch" if num_microbatches == 1 else "GPipe from M=8"}
+    assert tfpipe.config.default_schedule_reason(num_microbatches, schedule).startswith(
+        why[schedule])
 
 
 @pytest.mark.parametrize("num_microbatches, schedule, expected", [
