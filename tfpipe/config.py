@@ -261,10 +261,10 @@ class PipelineConfig:
                      if self.execution_chosen else self.execution)
         recompute = (resolve_recompute(None, execution) if self.recompute_chosen
                      else self.recompute)
+        # A reason exists only for a mode tfpipe chose, and that is chosen again.
         return dataclasses.replace(self, schedule=schedules.GPipe(), schedule_reason=reason,
                                    execution=execution, recompute=recompute,
-                                   recompute_reason="" if self.recompute_chosen
-                                   else self.recompute_reason)
+                                   recompute_reason="")
 
     @property
     def traits(self):

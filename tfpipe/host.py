@@ -113,6 +113,7 @@ class PipelineHost:
         del pipeline
         return contextlib.nullcontext()
 
+
 class VariableDevices:
     """The stage device of each stage variable's home stage, keyed by its TF
     variable (`keras.Variable.value`, what Keras' optimizer works on): the
